@@ -1,0 +1,112 @@
+// Arrays, buffers, evaluation, devices and errors.
+#include <cstring>
+
+#include "shim_core.hpp"
+
+namespace moat {
+
+static thread_local std::string last_error;
+
+void set_error(const char* msg) { last_error = msg; }
+
+static const mx::Dtype kDtypes[] = {
+    mx::bool_,   mx::uint8,   mx::uint16,  mx::uint32, mx::uint64,
+    mx::int8,    mx::int16,   mx::int32,   mx::int64,  mx::float16,
+    mx::float32, mx::float64, mx::bfloat16, mx::complex64,
+};
+
+mx::Dtype to_dtype(int code) {
+  if (code < 0 || code > MOAT_C64) throw std::invalid_argument("unknown dtype code");
+  return kDtypes[code];
+}
+
+int from_dtype(mx::Dtype d) { return static_cast<int>(d.val()); }
+
+static mx::Device to_device(int device) {
+  return device == MOAT_GPU ? mx::Device::gpu : mx::Device::cpu;
+}
+
+}  // namespace moat
+
+using namespace moat;
+
+extern "C" {
+
+const char* moat_last_error(void) { return last_error.c_str(); }
+
+const char* moat_mlx_version(void) { return mx::version(); }
+
+int moat_device_available(int device, int* out) {
+  return guard([&] { *out = mx::is_available(to_device(device)) ? 1 : 0; });
+}
+
+int moat_set_default_device(int device) {
+  return guard([&] { mx::set_default_device(to_device(device)); });
+}
+
+int moat_buffer_alloc(size_t nbytes, moat_buffer** out, void** data) {
+  return guard([&] {
+    auto d = std::make_unique<mx::allocator::Data>(mx::allocator::malloc(nbytes));
+    // MLX's CPU allocator returns a null buffer instead of throwing.
+    if (d->buffer().ptr() == nullptr && nbytes > 0) throw std::bad_alloc();
+    *data = nbytes > 0 ? d->buffer().raw_ptr() : nullptr;
+    *out = reinterpret_cast<moat_buffer*>(d.release());
+  });
+}
+
+void moat_buffer_free(moat_buffer* buf) {
+  delete reinterpret_cast<mx::allocator::Data*>(buf);
+}
+
+int moat_array_from_buffer(moat_buffer* buf, const int32_t* shape, size_t ndim,
+                           int dtype, moat_array** out) {
+  std::unique_ptr<mx::allocator::Data> data(reinterpret_cast<mx::allocator::Data*>(buf));
+  return produce(out, [&] {
+    return mx::array(std::move(*data), to_shape(shape, ndim), to_dtype(dtype));
+  });
+}
+
+void moat_array_free(moat_array* a) { delete reinterpret_cast<mx::array*>(a); }
+
+int moat_array_clone(const moat_array* a, moat_array** out) {
+  return produce(out, [&] { return mx::array(arr(a)); });
+}
+
+size_t moat_array_ndim(const moat_array* a) { return arr(a).ndim(); }
+
+void moat_array_shape(const moat_array* a, int32_t* out) {
+  const auto& s = arr(a).shape();
+  std::copy(s.begin(), s.end(), out);
+}
+
+int moat_array_dtype(const moat_array* a) { return from_dtype(arr(a).dtype()); }
+
+size_t moat_array_size(const moat_array* a) { return arr(a).size(); }
+
+size_t moat_array_nbytes(const moat_array* a) { return arr(a).nbytes(); }
+
+int moat_array_row_contiguous(const moat_array* a) {
+  return arr(a).flags().row_contiguous ? 1 : 0;
+}
+
+const void* moat_array_data(const moat_array* a) { return arr(a).data<void>(); }
+
+int moat_eval(moat_array* const* arrays, size_t n) {
+  return guard([&] {
+    std::vector<mx::array> v;
+    v.reserve(n);
+    for (size_t i = 0; i < n; ++i) v.push_back(arr(arrays[i]));
+    mx::eval(std::move(v));
+  });
+}
+
+int moat_async_eval(moat_array* const* arrays, size_t n) {
+  return guard([&] {
+    std::vector<mx::array> v;
+    v.reserve(n);
+    for (size_t i = 0; i < n; ++i) v.push_back(arr(arrays[i]));
+    mx::async_eval(std::move(v));
+  });
+}
+
+}  // extern "C"

@@ -1,0 +1,73 @@
+// C ABI over MLX's C++ API. One thin function per MLX call, no policy.
+// Every function returns MOAT_OK, or MOAT_ERR_EXCEPTION / MOAT_ERR_UNKNOWN
+// after catching what MLX threw; moat_last_error() then holds the message
+// (per thread, valid until the next failing call on that thread).
+#pragma once
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define MOAT_OK 0
+#define MOAT_ERR_EXCEPTION 1
+#define MOAT_ERR_UNKNOWN 2
+#define MOAT_ERR_ALLOC 3
+
+// Dtype codes: the order of mlx::core::Dtype::Val.
+enum moat_dtype {
+  MOAT_BOOL, MOAT_U8, MOAT_U16, MOAT_U32, MOAT_U64,
+  MOAT_S8, MOAT_S16, MOAT_S32, MOAT_S64,
+  MOAT_F16, MOAT_F32, MOAT_F64, MOAT_BF16, MOAT_C64,
+};
+
+enum moat_device { MOAT_CPU = 0, MOAT_GPU = 1 };
+
+typedef struct moat_array moat_array;   // an mlx::core::array
+typedef struct moat_buffer moat_buffer; // an mlx::core::allocator::Data
+
+const char* moat_last_error(void);
+const char* moat_mlx_version(void);
+
+// Devices
+int moat_device_available(int device, int* out);
+int moat_set_default_device(int device);
+
+// Buffers from MLX's allocator, filled by the caller, then adopted by an array.
+int moat_buffer_alloc(size_t nbytes, moat_buffer** out, void** data);
+void moat_buffer_free(moat_buffer* buf);
+int moat_array_from_buffer(moat_buffer* buf, const int32_t* shape, size_t ndim,
+                           int dtype, moat_array** out);
+
+// Array handles and metadata
+void moat_array_free(moat_array* a);
+int moat_array_clone(const moat_array* a, moat_array** out);
+size_t moat_array_ndim(const moat_array* a);
+void moat_array_shape(const moat_array* a, int32_t* out);
+int moat_array_dtype(const moat_array* a);
+size_t moat_array_size(const moat_array* a);
+size_t moat_array_nbytes(const moat_array* a);
+int moat_array_row_contiguous(const moat_array* a);
+// Valid only for an evaluated array; the bytes of a row-contiguous array.
+const void* moat_array_data(const moat_array* a);
+
+// Evaluation
+int moat_eval(moat_array* const* arrays, size_t n);
+int moat_async_eval(moat_array* const* arrays, size_t n);
+
+// Ops
+int moat_astype(const moat_array* a, int dtype, moat_array** out);
+int moat_contiguous(const moat_array* a, moat_array** out);
+int moat_reshape(const moat_array* a, const int32_t* shape, size_t ndim, moat_array** out);
+int moat_add(const moat_array* a, const moat_array* b, moat_array** out);
+int moat_subtract(const moat_array* a, const moat_array* b, moat_array** out);
+int moat_multiply(const moat_array* a, const moat_array* b, moat_array** out);
+int moat_divide(const moat_array* a, const moat_array* b, moat_array** out);
+int moat_matmul(const moat_array* a, const moat_array* b, moat_array** out);
+int moat_sum(const moat_array* a, const int32_t* axes, size_t naxes, int keepdims,
+             moat_array** out);
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,60 @@
+// Shared by the shim's translation units: handle casts and the exception
+// boundary that every exported function goes through.
+#pragma once
+#include <exception>
+#include <new>
+#include <string>
+#include <vector>
+
+#include "mlx/mlx.h"
+#include "moat_shim.h"
+
+namespace moat {
+namespace mx = mlx::core;
+
+void set_error(const char* msg);
+
+inline const mx::array& arr(const moat_array* a) {
+  return *reinterpret_cast<const mx::array*>(a);
+}
+
+inline moat_array* wrap(mx::array&& a) {
+  return reinterpret_cast<moat_array*>(new mx::array(std::move(a)));
+}
+
+mx::Dtype to_dtype(int code);
+int from_dtype(mx::Dtype d);
+
+inline mx::Shape to_shape(const int32_t* dims, size_t n) {
+  return mx::Shape(dims, dims + n);
+}
+
+inline std::vector<int> to_axes(const int32_t* axes, size_t n) {
+  return std::vector<int>(axes, axes + n);
+}
+
+// Runs f, turning any exception into an error code and message.
+template <typename F>
+int guard(F&& f) {
+  try {
+    f();
+    return MOAT_OK;
+  } catch (const std::bad_alloc&) {
+    set_error("out of memory");
+    return MOAT_ERR_ALLOC;
+  } catch (const std::exception& e) {
+    set_error(e.what());
+    return MOAT_ERR_EXCEPTION;
+  } catch (...) {
+    set_error("unknown C++ exception");
+    return MOAT_ERR_UNKNOWN;
+  }
+}
+
+// The body of an op that yields one array.
+template <typename F>
+int produce(moat_array** out, F&& f) {
+  return guard([&] { *out = wrap(f()); });
+}
+
+}  // namespace moat

@@ -1,0 +1,104 @@
+//! `moat_port`: started by the BEAM as a port with `:nouse_stdio`; reads
+//! requests on fd 3 and writes replies on fd 4 (see protocol.md).
+
+use crossbeam_channel::bounded;
+use moat_port::connection::{read_loop, write_loop, Outgoing};
+use moat_port::frame::Limits;
+use moat_port::mlx::{self, Device};
+use moat_port::protocol;
+use moat_port::session::Session;
+use moat_port::sys;
+use moat_port::term::Term;
+use std::thread;
+
+const USAGE: &str = "usage: moat_port [--generation N] [--log-level error|warn|info|debug|trace] \
+                     [--chunk-bytes N] [--max-frame-bytes N]";
+
+struct Options {
+    generation: u64,
+    log_level: log::LevelFilter,
+    limits: Limits,
+}
+
+fn parse_args() -> Result<Options, String> {
+    let mut opts = Options { generation: 1, log_level: log::LevelFilter::Warn, limits: Limits::default() };
+    let mut args = std::env::args().skip(1);
+    while let Some(flag) = args.next() {
+        let value = args.next().ok_or_else(|| format!("{flag} needs a value"))?;
+        let number = || value.parse::<u64>().map_err(|_| format!("{flag}: not a number: {value}"));
+        match flag.as_str() {
+            "--generation" => opts.generation = number()?,
+            "--log-level" => opts.log_level = value.parse().map_err(|_| format!("bad log level {value}"))?,
+            "--chunk-bytes" => opts.limits.chunk_bytes = number()?.max(1) as usize,
+            "--max-frame-bytes" => opts.limits.max_frame_bytes = number()? as usize,
+            _ => return Err(format!("unknown option {flag}")),
+        }
+    }
+    Ok(opts)
+}
+
+fn main() {
+    let opts = parse_args().unwrap_or_else(|e| {
+        eprintln!("moat_port: {e}\n{USAGE}");
+        std::process::exit(2);
+    });
+    env_logger::Builder::new().filter_level(opts.log_level).target(env_logger::Target::Stderr).init();
+    sys::die_with_parent();
+    sys::default_sigchld();
+
+    let (input, output) = match (sys::inherited(3), sys::inherited(4)) {
+        (Ok(i), Ok(o)) => (i, o),
+        (Err(e), _) | (_, Err(e)) => {
+            eprintln!("moat_port: {e}");
+            std::process::exit(2);
+        }
+    };
+    sys::grow_pipe(3, 1 << 20);
+    sys::grow_pipe(4, 1 << 20);
+
+    let (out_tx, out_rx) = bounded::<Outgoing>(1024);
+    let chunk = opts.limits.chunk_bytes;
+    thread::Builder::new()
+        .name("writer".into())
+        .spawn(move || {
+            if let Err(e) = write_loop(output, chunk, out_rx) {
+                log::info!("client gone ({e}); exiting");
+            }
+            sys::exit_now(0);
+        })
+        .expect("spawn writer");
+
+    let _ = out_tx.send(Outgoing::Frame(hello(&opts)));
+
+    let (in_tx, in_rx) = bounded(256);
+    let limits = opts.limits;
+    thread::Builder::new()
+        .name("reader".into())
+        .spawn(move || {
+            match read_loop(input, limits, in_tx) {
+                Ok(()) => log::info!("input closed; exiting"),
+                Err(e) => log::error!("input stream broken ({e}); exiting"),
+            }
+            sys::exit_now(0);
+        })
+        .expect("spawn reader");
+
+    if let Err(e) = Device::Cpu.make_default() {
+        log::error!("cannot select the CPU device: {e}");
+    }
+    Session::new(opts.generation, out_tx).run(in_rx);
+}
+
+fn hello(opts: &Options) -> Term {
+    let devices = [Device::Cpu, Device::Gpu].into_iter().filter(|d| d.available()).map(|d| Term::atom(d.name()));
+    let blas = if cfg!(moat_openblas) { "openblas" } else { "reference" };
+    protocol::hello(vec![
+        ("blas", Term::atom(blas)),
+        ("chunk_bytes", Term::int(opts.limits.chunk_bytes as u64)),
+        ("devices", Term::List(devices.collect())),
+        ("generation", Term::int(opts.generation)),
+        ("max_frame_bytes", Term::int(opts.limits.max_frame_bytes as u64)),
+        ("mlx", Term::Binary(mlx::version().into_bytes())),
+        ("os_pid", Term::int(sys::os_pid())),
+    ])
+}

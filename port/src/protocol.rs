@@ -1,0 +1,138 @@
+//! The typed side of protocol.md: request headers in, reply headers out.
+
+use crate::term::Term;
+
+pub const VERSION: i128 = 1;
+
+/// A tensor id, chosen by the client.
+pub type Id = u64;
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Request {
+    pub seq: u64,
+    pub generation: u64,
+    pub op: String,
+    pub outs: Vec<Id>,
+    pub ins: Vec<Id>,
+    pub attrs: Term,
+}
+
+/// A header that is not a well-formed request. Whatever could be read of it
+/// is kept so the error can still reach the caller and poison its outputs.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Malformed {
+    pub seq: u64,
+    pub op: String,
+    pub outs: Vec<Id>,
+    pub message: String,
+}
+
+impl Request {
+    pub fn parse(header: Term) -> Result<Request, Malformed> {
+        let items = match header {
+            Term::Tuple(items) => items,
+            other => return Err(malformed(0, "protocol", vec![], format!("request must be a tuple, got {other}"))),
+        };
+        let seq = items.first().and_then(as_u64).unwrap_or(0);
+        let op = items.get(2).and_then(Term::as_atom).unwrap_or("protocol").to_string();
+        let outs = items.get(3).and_then(|t| ids(t).ok()).unwrap_or_default();
+        if items.len() != 6 {
+            let message = format!("request must be {{seq, generation, op, outs, ins, attrs}}, got a {}-tuple", items.len());
+            return Err(malformed(seq, &op, outs, message));
+        }
+        let fail = |message: String| Err(malformed(seq, &op, outs.clone(), message));
+        let Some(seq) = as_u64(&items[0]) else { return fail(format!("seq must be a non-negative integer, got {}", items[0])) };
+        let Some(generation) = as_u64(&items[1]) else { return fail(format!("bad generation {}", items[1])) };
+        if items[2].as_atom().is_none() {
+            return fail(format!("op must be an atom, got {}", items[2]));
+        }
+        let outs = match ids(&items[3]) {
+            Ok(v) => v,
+            Err(m) => return fail(format!("outs: {m}")),
+        };
+        let ins = match ids(&items[4]) {
+            Ok(v) => v,
+            Err(m) => return fail(format!("ins: {m}")),
+        };
+        let attrs = items.into_iter().nth(5).expect("6 items");
+        Ok(Request { seq, generation, op, outs, ins, attrs })
+    }
+}
+
+fn malformed(seq: u64, op: &str, outs: Vec<Id>, message: String) -> Malformed {
+    Malformed { seq, op: op.to_string(), outs, message }
+}
+
+fn as_u64(t: &Term) -> Option<u64> {
+    t.as_int().and_then(|i| u64::try_from(i).ok())
+}
+
+fn ids(t: &Term) -> Result<Vec<Id>, String> {
+    let list = t.as_list().ok_or_else(|| format!("expected a list of ids, got {t}"))?;
+    list.iter()
+        .map(|x| as_u64(x).filter(|id| *id > 0).ok_or_else(|| format!("bad tensor id {x}")))
+        .collect()
+}
+
+pub fn hello(info: Vec<(&str, Term)>) -> Term {
+    let map = info.into_iter().map(|(k, v)| (Term::atom(k), v)).collect();
+    Term::tuple(vec![Term::atom("hello"), Term::Int(VERSION), Term::Map(map)])
+}
+
+pub fn ack(processed: u64) -> Term {
+    Term::tuple(vec![Term::atom("ack"), Term::int(processed)])
+}
+
+pub fn ok(seq: u64, result: Term) -> Term {
+    Term::tuple(vec![Term::atom("ok"), Term::int(seq), result])
+}
+
+pub fn more(seq: u64) -> Term {
+    Term::tuple(vec![Term::atom("more"), Term::int(seq)])
+}
+
+pub fn error(seq: u64, op: &str, message: &str) -> Term {
+    Term::tuple(vec![
+        Term::atom("error"),
+        Term::int(seq),
+        Term::atom(op),
+        Term::Binary(message.as_bytes().to_vec()),
+    ])
+}
+
+/// A map with atom keys, sorted the way OTP writes small maps.
+pub fn map(mut pairs: Vec<(&str, Term)>) -> Term {
+    pairs.sort_by(|a, b| a.0.cmp(b.0));
+    Term::Map(pairs.into_iter().map(|(k, v)| (Term::atom(k), v)).collect())
+}
+
+pub fn shape_term(shape: &[i32]) -> Term {
+    Term::List(shape.iter().map(|d| Term::int(*d)).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::term::decode;
+
+    #[test]
+    fn parses_a_request() {
+        // {0, 3, :add, [7], [5, 6], nil}
+        let bytes = [
+            0x83, 0x68, 0x06, 0x61, 0x00, 0x61, 0x03, 0x77, 0x03, 0x61, 0x64, 0x64, 0x6b, 0x00, 0x01, 0x07, 0x6b, 0x00,
+            0x02, 0x05, 0x06, 0x77, 0x03, 0x6e, 0x69, 0x6c,
+        ];
+        let req = Request::parse(decode(&bytes).unwrap()).unwrap();
+        assert_eq!((req.seq, req.generation, req.op.as_str()), (0, 3, "add"));
+        assert_eq!((req.outs, req.ins), (vec![7], vec![5, 6]));
+    }
+
+    #[test]
+    fn malformed_requests_keep_what_can_be_read() {
+        let t = Term::tuple(vec![Term::int(4), Term::int(1), Term::atom("add"), Term::List(vec![Term::int(9)])]);
+        let m = Request::parse(t).unwrap_err();
+        assert_eq!((m.seq, m.op.as_str(), m.outs), (4, "add", vec![9]));
+        let t = Term::tuple(vec![Term::int(4), Term::int(1), Term::atom("add"), Term::nil(), Term::List(vec![Term::int(0)]), Term::nil()]);
+        assert!(Request::parse(t).unwrap_err().message.contains("bad tensor id 0"));
+    }
+}

@@ -1,0 +1,223 @@
+//! The thread that owns the MLX stream: it runs every request in arrival
+//! order, keeps the registry, and acknowledges progress.
+
+use crate::connection::{Incoming, Outgoing, Upload};
+use crate::mlx::{self, Array};
+use crate::ops;
+use crate::protocol::{self, Id, Malformed, Request};
+use crate::registry::{Failure, Registry};
+use crate::term::Term;
+use crossbeam_channel::{Receiver, Sender, TryRecvError};
+use std::rc::Rc;
+
+/// Requests between two unprompted acknowledgements.
+const ACK_EVERY: u64 = 64;
+
+pub struct Session {
+    generation: u64,
+    registry: Registry,
+    out: Sender<Outgoing>,
+    processed: u64,
+    acked: u64,
+}
+
+impl Session {
+    pub fn new(generation: u64, out: Sender<Outgoing>) -> Session {
+        Session { generation, registry: Registry::default(), out, processed: 0, acked: 0 }
+    }
+
+    /// Serves until the reader hangs up.
+    pub fn run(mut self, rx: Receiver<Incoming>) {
+        loop {
+            let msg = match rx.try_recv() {
+                Ok(msg) => msg,
+                Err(TryRecvError::Empty) => {
+                    self.ack();
+                    match rx.recv() {
+                        Ok(msg) => msg,
+                        Err(_) => return,
+                    }
+                }
+                Err(TryRecvError::Disconnected) => return,
+            };
+            self.handle(msg);
+            self.processed += 1;
+            if self.processed - self.acked >= ACK_EVERY {
+                self.ack();
+            }
+        }
+    }
+
+    fn ack(&mut self) {
+        if self.processed != self.acked {
+            self.acked = self.processed;
+            self.send(Outgoing::Frame(protocol::ack(self.processed)));
+        }
+    }
+
+    fn send(&self, msg: Outgoing) {
+        // The writer only goes away when the client is gone; the process
+        // exits then, so there is no one left to tell.
+        let _ = self.out.send(msg);
+    }
+
+    pub fn handle(&mut self, msg: Incoming) {
+        match msg {
+            Incoming::Request { req, upload } => self.request(req, upload),
+            Incoming::Malformed(Malformed { seq, op, outs, message }) => {
+                log::warn!("refused frame (seq {seq}, op {op}): {message}");
+                if seq == 0 {
+                    // No caller waits on it: report it unprompted so it is not lost.
+                    self.send(Outgoing::Frame(protocol::error(0, &op, &message)));
+                }
+                self.fail(seq, &outs, Failure::new(&op, message));
+            }
+            Incoming::Consumed => {}
+        }
+    }
+
+    fn request(&mut self, req: Request, upload: Option<Upload>) {
+        if req.generation != self.generation {
+            let message = format!(
+                "{} was sent to worker generation {} but this worker is generation {}",
+                req.op, req.generation, self.generation
+            );
+            return self.fail(req.seq, &req.outs, Failure::new("stale_generation", message));
+        }
+        if let Some(id) = req.outs.iter().find(|id| self.registry.contains(**id)) {
+            let failure = Failure::new(&req.op, format!("tensor id {id} is already defined"));
+            return self.fail(req.seq, &req.outs, failure);
+        }
+        match req.op.as_str() {
+            "from_binary" => self.from_binary(&req, upload),
+            "to_binary" => self.to_binary(&req),
+            "eval" => self.eval(&req),
+            "async_eval" => self.async_eval(&req),
+            "metadata" => self.metadata(&req),
+            "sync" => self.reply(req.seq, Term::atom("nil")),
+            "release" => req.ins.iter().for_each(|id| {
+                self.registry.release(*id);
+            }),
+            _ => self.build(&req),
+        }
+    }
+
+    /// Poisons `outs` and, for a call, replies with the failure.
+    fn fail(&mut self, seq: u64, outs: &[Id], failure: Rc<Failure>) {
+        for id in outs {
+            self.registry.poison(*id, failure.clone());
+        }
+        if seq != 0 {
+            self.send(Outgoing::Frame(protocol::error(seq, &failure.op, &failure.message)));
+        }
+    }
+
+    fn reply(&self, seq: u64, result: Term) {
+        if seq != 0 {
+            self.send(Outgoing::Frame(protocol::ok(seq, result)));
+        }
+    }
+
+    fn build(&mut self, req: &Request) {
+        let Some((arity, builder)) = ops::builder(&req.op) else {
+            let failure = Failure::new(&req.op, format!("unknown op {}", req.op));
+            return self.fail(req.seq, &req.outs, failure);
+        };
+        if req.ins.len() != arity {
+            let message = format!("{} takes {arity} inputs, got {}", req.op, req.ins.len());
+            return self.fail(req.seq, &req.outs, Failure::new(&req.op, message));
+        }
+        let outputs = match self.registry.inputs(&req.ins, &req.op) {
+            Err(failure) => Err(failure),
+            Ok(inputs) => builder(&inputs, &req.attrs).map_err(|m| Failure::new(&req.op, format!("{}: {m}", req.op))),
+        };
+        match outputs {
+            Ok(arrays) if arrays.len() == req.outs.len() => {
+                for (id, array) in req.outs.iter().zip(arrays) {
+                    self.registry.insert(*id, array);
+                }
+                self.reply(req.seq, Term::atom("nil"));
+            }
+            Ok(arrays) => {
+                let message = format!("{} defines {} tensors, the request named {}", req.op, arrays.len(), req.outs.len());
+                self.fail(req.seq, &req.outs, Failure::new(&req.op, message));
+            }
+            Err(failure) => self.fail(req.seq, &req.outs, failure),
+        }
+    }
+
+    fn from_binary(&mut self, req: &Request, upload: Option<Upload>) {
+        let Some(Upload { buffer, shape, dtype }) = upload else {
+            return self.fail(req.seq, &req.outs, Failure::new("from_binary", "no tensor bytes arrived"));
+        };
+        match buffer.into_array(&shape, dtype) {
+            Ok(array) => {
+                self.registry.insert(req.outs[0], array);
+                self.reply(req.seq, Term::atom("nil"));
+            }
+            Err(e) => self.fail(req.seq, &req.outs, Failure::new("from_binary", e.message)),
+        }
+    }
+
+    /// The one input of a single-tensor call, or the failure to report.
+    fn single(&self, req: &Request) -> Result<&Array, Rc<Failure>> {
+        match req.ins.as_slice() {
+            [id] => self.registry.get(*id, &req.op),
+            ids => Err(Failure::new(&req.op, format!("{} takes one tensor id, got {}", req.op, ids.len()))),
+        }
+    }
+
+    fn to_binary(&mut self, req: &Request) {
+        let result = self.single(req).and_then(|array| {
+            let evaluated = array.evaluate().map_err(|e| Failure::new(&req.op, e.message))?;
+            let info = metadata(evaluated.array(), Some(evaluated.bytes().len()));
+            Ok((info, evaluated))
+        });
+        match result {
+            Ok((result, data)) if req.seq != 0 => {
+                let result = protocol::ok(req.seq, result);
+                self.send(Outgoing::Data { seq: req.seq, result, data });
+            }
+            Ok(_) => {}
+            Err(failure) => self.fail(req.seq, &[], failure),
+        }
+    }
+
+    fn eval(&mut self, req: &Request) {
+        let result = self
+            .registry
+            .inputs(&req.ins, &req.op)
+            .and_then(|arrays| mlx::eval(&arrays).map_err(|e| Failure::new(&req.op, e.message)));
+        match result {
+            Ok(()) => self.reply(req.seq, Term::atom("nil")),
+            Err(failure) => self.fail(req.seq, &[], failure),
+        }
+    }
+
+    fn async_eval(&mut self, req: &Request) {
+        // Errors resurface at the next blocking call on these ids.
+        if let Ok(arrays) = self.registry.inputs(&req.ins, &req.op) {
+            if let Err(e) = mlx::async_eval(&arrays) {
+                log::debug!("async_eval: {e}");
+            }
+        }
+    }
+
+    fn metadata(&mut self, req: &Request) {
+        match self.single(req) {
+            Ok(array) => {
+                let info = metadata(array, None);
+                self.reply(req.seq, info)
+            }
+            Err(failure) => self.fail(req.seq, &[], failure),
+        }
+    }
+}
+
+fn metadata(array: &Array, bytes: Option<usize>) -> Term {
+    let mut pairs = vec![("dtype", array.dtype().to_term()), ("shape", protocol::shape_term(&array.shape()))];
+    if let Some(n) = bytes {
+        pairs.push(("bytes", Term::int(n as u64)));
+    }
+    protocol::map(pairs)
+}

@@ -1,0 +1,56 @@
+//! The few OS calls the worker needs: inherited pipes, parent-death signal,
+//! immediate exit. Like `mlx::ffi`, this is FFI; nothing else is `unsafe`.
+
+use std::fs::File;
+use std::io;
+use std::os::fd::{FromRawFd, RawFd};
+
+/// Takes ownership of a file descriptor the parent left open for us.
+pub fn inherited(fd: RawFd) -> io::Result<File> {
+    // SAFETY: F_GETFD only queries the descriptor; it fails if fd is not open.
+    if unsafe { libc::fcntl(fd, libc::F_GETFD) } == -1 {
+        return Err(io::Error::new(
+            io::ErrorKind::NotFound,
+            format!("file descriptor {fd} is not open: start the worker as an Erlang port with :nouse_stdio"),
+        ));
+    }
+    // SAFETY: fd is open and nothing else in this process owns it.
+    Ok(unsafe { File::from_raw_fd(fd) })
+}
+
+/// Asks for a larger pipe buffer (fewer wake-ups on big transfers); a refusal
+/// is harmless, so it is ignored.
+pub fn grow_pipe(fd: RawFd, bytes: i32) {
+    // SAFETY: F_SETPIPE_SZ on a non-pipe fails with EBADF/EINVAL, nothing else.
+    unsafe { libc::fcntl(fd, libc::F_SETPIPE_SZ, bytes) };
+}
+
+/// Dies with SIGKILL when the parent (the VM's child launcher) exits, even
+/// while MLX is busy and no thread reads the input pipe.
+pub fn die_with_parent() {
+    // SAFETY: prctl with PR_SET_PDEATHSIG takes a signal number and no pointers.
+    unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) };
+    // The parent may have died before the prctl took effect.
+    // SAFETY: getppid has no preconditions.
+    if unsafe { libc::getppid() } == 1 {
+        exit_now(0);
+    }
+}
+
+/// The BEAM ignores SIGCHLD and ports inherit that; MLX's CPU compiler waits
+/// for the g++ it spawns, which needs the default disposition.
+pub fn default_sigchld() {
+    // SAFETY: installing SIG_DFL for SIGCHLD has no memory-safety preconditions.
+    unsafe { libc::signal(libc::SIGCHLD, libc::SIG_DFL) };
+}
+
+/// Exits at once, without running destructors or waiting for other threads
+/// (one may be inside MLX).
+pub fn exit_now(code: i32) -> ! {
+    // SAFETY: _exit never returns and touches no Rust state.
+    unsafe { libc::_exit(code) }
+}
+
+pub fn os_pid() -> u32 {
+    std::process::id()
+}

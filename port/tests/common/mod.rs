@@ -1,0 +1,152 @@
+//! A real worker process driven through real frames on fds 3 and 4, the way
+//! the BEAM drives it.
+
+#![allow(dead_code)]
+
+use command_fds::{CommandFdExt, FdMapping};
+use moat_port::frame::{split_body, write_frame};
+use moat_port::term::Term;
+use std::io::{Read, Write};
+use std::os::fd::{AsFd, OwnedFd};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+pub struct Worker {
+    pub child: Child,
+    to: std::fs::File,
+    from: std::fs::File,
+    pub generation: u64,
+}
+
+pub fn pipe() -> (OwnedFd, OwnedFd) {
+    let (r, w) = std::io::pipe().expect("pipe");
+    (r.into(), w.into())
+}
+
+impl Worker {
+    pub fn start(extra: &[&str]) -> Worker {
+        let (req_r, req_w) = pipe();
+        let (rep_r, rep_w) = pipe();
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_moat_port"));
+        cmd.args(["--generation", "3"]).args(extra).stdin(Stdio::null());
+        cmd.fd_mappings(vec![
+            FdMapping { parent_fd: req_r, child_fd: 3 },
+            FdMapping { parent_fd: rep_w, child_fd: 4 },
+        ])
+        .expect("fd mappings");
+        let child = cmd.spawn().expect("spawn moat_port");
+        let mut w = Worker { child, to: req_w.into(), from: rep_r.into(), generation: 3 };
+        let (hello, _) = w.recv();
+        assert!(matches!(hello.as_tuple(), Some([h, _, _]) if h.is_atom("hello")), "first frame: {hello}");
+        w
+    }
+
+    pub fn send(&mut self, header: Term, payload: &[u8]) {
+        write_frame(&mut self.to, &header, payload).expect("write frame");
+    }
+
+    pub fn send_raw(&mut self, bytes: &[u8]) {
+        self.to.write_all(bytes).expect("write raw");
+    }
+
+    /// The next frame that is not an ack.
+    pub fn recv(&mut self) -> (Term, Vec<u8>) {
+        loop {
+            let mut len = [0u8; 4];
+            self.from.read_exact(&mut len).expect("read packet length");
+            let mut body = vec![0u8; u32::from_be_bytes(len) as usize];
+            self.from.read_exact(&mut body).expect("read packet");
+            let (header, payload) = split_body(&body).expect("worker frame");
+            if matches!(header.as_tuple(), Some([a, _]) if a.is_atom("ack")) {
+                continue;
+            }
+            return (header, payload.to_vec());
+        }
+    }
+
+    pub fn request(&mut self, seq: u64, op: &str, outs: &[u64], ins: &[u64], attrs: Term) {
+        let header = request(seq, self.generation, op, outs, ins, attrs);
+        self.send(header, &[]);
+    }
+
+    pub fn upload_f32(&mut self, id: u64, shape: &[i32], values: &[f32]) {
+        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let header = request(0, self.generation, "from_binary", &[id], &[], tensor_attrs(shape, "f", 32, bytes.len()));
+        self.send(header, &bytes);
+    }
+
+    /// `to_binary` of `id`: the concatenated payload, or the error tuple.
+    pub fn read(&mut self, seq: u64, id: u64) -> Result<(Term, Vec<u8>), Term> {
+        self.request(seq, "to_binary", &[], &[id], nil());
+        let mut data = Vec::new();
+        loop {
+            let (header, payload) = self.recv();
+            let items = header.as_tuple().expect("reply tuple").to_vec();
+            assert_eq!(items[1], Term::int(seq), "reply routed to seq {seq}: {header}");
+            match items[0].as_atom() {
+                Some("more") => data.extend(payload),
+                Some("ok") => {
+                    data.extend(payload);
+                    return Ok((items[2].clone(), data));
+                }
+                _ => return Err(header),
+            }
+        }
+    }
+
+    pub fn read_f32(&mut self, seq: u64, id: u64) -> Vec<f32> {
+        let (_, bytes) = self.read(seq, id).unwrap_or_else(|e| panic!("to_binary failed: {e}"));
+        bytes.chunks(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
+    }
+
+    /// Closes the worker's input and waits for it to exit.
+    pub fn close(mut self, within: Duration) -> std::process::ExitStatus {
+        drop(self.to);
+        let deadline = Instant::now() + within;
+        loop {
+            if let Some(status) = self.child.try_wait().expect("wait") {
+                return status;
+            }
+            assert!(Instant::now() < deadline, "worker still running {within:?} after its input closed");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    pub fn input_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        self.to.as_fd()
+    }
+}
+
+pub fn nil() -> Term {
+    Term::atom("nil")
+}
+
+pub fn ids(v: &[u64]) -> Term {
+    Term::List(v.iter().map(|i| Term::int(*i)).collect())
+}
+
+pub fn request(seq: u64, generation: u64, op: &str, outs: &[u64], ins: &[u64], attrs: Term) -> Term {
+    Term::tuple(vec![Term::int(seq), Term::int(generation), Term::atom(op), ids(outs), ids(ins), attrs])
+}
+
+pub fn tensor_attrs(shape: &[i32], kind: &str, bits: u32, bytes: usize) -> Term {
+    moat_port::protocol::map(vec![
+        ("bytes", Term::int(bytes as u64)),
+        ("dtype", Term::tuple(vec![Term::atom(kind), Term::int(bits)])),
+        ("shape", moat_port::protocol::shape_term(shape)),
+    ])
+}
+
+/// `{:error, seq, op, message}` → (op, message).
+pub fn error_parts(t: &Term) -> (String, String) {
+    match t.as_tuple() {
+        Some([tag, _, op, Term::Binary(m)]) if tag.is_atom("error") => {
+            (op.as_atom().unwrap().to_string(), String::from_utf8_lossy(m).into_owned())
+        }
+        _ => panic!("not an error reply: {t}"),
+    }
+}

@@ -1,0 +1,43 @@
+//! protocol.md's examples, checked against the Rust codec: each example's
+//! bytes decode to the term it shows and re-encode to the same bytes.
+
+use moat_port::term::{decode, encode};
+
+struct Example {
+    title: String,
+    term: String,
+    hex: String,
+}
+
+fn examples() -> Vec<Example> {
+    let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../protocol.md")).expect("protocol.md");
+    let section = doc.split("## 7. Examples").nth(1).expect("an Examples section");
+    let mut out = Vec::new();
+    for part in section.split("### Example: ").skip(1) {
+        let title = part.lines().next().unwrap().to_string();
+        let block = |lang: &str| {
+            let start = part.find(&format!("```{lang}\n")).unwrap_or_else(|| panic!("{title}: no {lang} block"));
+            let body = &part[start + lang.len() + 4..];
+            body[..body.find("```").unwrap()].to_string()
+        };
+        out.push(Example { term: block("term").trim().to_string(), hex: block("hex"), title });
+    }
+    out
+}
+
+fn unhex(s: &str) -> Vec<u8> {
+    let digits: String = s.chars().filter(|c| !c.is_whitespace()).collect();
+    (0..digits.len()).step_by(2).map(|i| u8::from_str_radix(&digits[i..i + 2], 16).expect("hex")).collect()
+}
+
+#[test]
+fn every_example_decodes_to_its_term_and_reencodes_to_its_bytes() {
+    let examples = examples();
+    assert!(examples.len() >= 10, "found only {} examples", examples.len());
+    for ex in examples {
+        let bytes = unhex(&ex.hex);
+        let term = decode(&bytes).unwrap_or_else(|e| panic!("{}: {e}", ex.title));
+        assert_eq!(term.to_string(), ex.term, "{}: decoded term differs", ex.title);
+        assert_eq!(encode(&term), bytes, "{}: re-encoded bytes differ", ex.title);
+    }
+}

@@ -1,0 +1,153 @@
+//! The worker as a black box: real process, real frames.
+
+mod common;
+
+use common::*;
+use moat_port::term::Term;
+use std::time::Duration;
+
+#[test]
+fn hello_announces_version_mlx_and_devices() {
+    let (req_r, req_w) = pipe();
+    let (rep_r, rep_w) = pipe();
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_moat_port"));
+    use command_fds::{CommandFdExt, FdMapping};
+    cmd.args(["--generation", "7"])
+        .fd_mappings(vec![FdMapping { parent_fd: req_r, child_fd: 3 }, FdMapping { parent_fd: rep_w, child_fd: 4 }])
+        .unwrap();
+    let mut child = cmd.spawn().unwrap();
+    let mut from: std::fs::File = rep_r.into();
+    let mut len = [0u8; 4];
+    std::io::Read::read_exact(&mut from, &mut len).unwrap();
+    let mut body = vec![0u8; u32::from_be_bytes(len) as usize];
+    std::io::Read::read_exact(&mut from, &mut body).unwrap();
+    let (hello, _) = moat_port::frame::split_body(&body).unwrap();
+    let items = hello.as_tuple().unwrap();
+    assert!(items[0].is_atom("hello"));
+    assert_eq!(items[1], Term::int(1));
+    let info = &items[2];
+    assert_eq!(info.get("mlx"), Some(&Term::Binary(b"0.32.4".to_vec())));
+    assert_eq!(info.get("generation"), Some(&Term::int(7)));
+    assert_eq!(info.get("os_pid"), Some(&Term::int(child.id())));
+    assert!(info.get("devices").unwrap().as_list().unwrap().contains(&Term::atom("cpu")));
+    drop(req_w);
+    assert!(child.wait().unwrap().success());
+}
+
+#[test]
+fn computes_and_reads_back() {
+    let mut w = Worker::start(&[]);
+    w.upload_f32(1, &[2, 2], &[1.0, 2.0, 3.0, 4.0]);
+    w.upload_f32(2, &[2, 2], &[10.0, 20.0, 30.0, 40.0]);
+    w.request(0, "add", &[3], &[1, 2], nil());
+    w.request(0, "matmul", &[4], &[1, 2], nil());
+    let sum_attrs = moat_port::protocol::map(vec![("axes", ids(&[0, 1])), ("keepdims", Term::atom("false"))]);
+    w.request(0, "sum", &[5], &[3], sum_attrs);
+    assert_eq!(w.read_f32(1, 3), vec![11.0, 22.0, 33.0, 44.0]);
+    assert_eq!(w.read_f32(2, 4), vec![70.0, 100.0, 150.0, 220.0]);
+    let (meta, data) = w.read(3, 5).unwrap();
+    assert_eq!(meta.get("shape"), Some(&Term::nil()));
+    assert_eq!(f32::from_le_bytes(data[..4].try_into().unwrap()), 110.0);
+    w.close(Duration::from_secs(1));
+}
+
+#[test]
+fn a_failed_op_poisons_its_dependents_and_names_itself() {
+    let mut w = Worker::start(&[]);
+    w.upload_f32(1, &[2, 3], &[0.0; 6]);
+    w.upload_f32(2, &[2, 2], &[0.0; 4]);
+    w.request(0, "matmul", &[3], &[1, 2], nil());
+    w.request(0, "add", &[4], &[3, 3], nil());
+    let (op, message) = error_parts(&w.read(1, 4).unwrap_err());
+    assert_eq!(op, "matmul");
+    assert!(message.contains("[matmul]"), "{message}");
+    // The healthy tensors are untouched.
+    assert_eq!(w.read_f32(2, 2), vec![0.0; 4]);
+}
+
+#[test]
+fn unknown_ops_ids_arity_and_attrs_are_clear_errors() {
+    let mut w = Worker::start(&[]);
+    w.upload_f32(1, &[2], &[1.0, 2.0]);
+    w.request(0, "frobnicate", &[2], &[1], nil());
+    assert_eq!(error_parts(&w.read(1, 2).unwrap_err()), ("frobnicate".into(), "unknown op frobnicate".into()));
+    w.request(0, "add", &[3], &[1], nil());
+    assert!(error_parts(&w.read(2, 3).unwrap_err()).1.contains("add takes 2 inputs, got 1"));
+    w.request(0, "add", &[4], &[1, 99], nil());
+    assert!(error_parts(&w.read(3, 4).unwrap_err()).1.contains("unknown tensor id 99"));
+    w.request(0, "astype", &[5], &[1], Term::atom("float"));
+    assert!(error_parts(&w.read(4, 5).unwrap_err()).1.contains("unsupported type :float"));
+    w.request(0, "add", &[1], &[1, 1], nil());
+    assert!(error_parts(&w.read(5, 1).unwrap_err()).1.contains("tensor id 1 is already defined"));
+}
+
+#[test]
+fn stale_generations_are_refused() {
+    let mut w = Worker::start(&[]);
+    w.upload_f32(1, &[1], &[1.0]);
+    w.send(request(9, 2, "to_binary", &[], &[1], nil()), &[]);
+    let (reply, _) = w.recv();
+    let (op, message) = error_parts(&reply);
+    assert_eq!(op, "stale_generation");
+    assert!(message.contains("generation 2") && message.contains("generation 3"), "{message}");
+}
+
+#[test]
+fn large_tensors_travel_in_chunks_both_ways() {
+    let mut w = Worker::start(&["--chunk-bytes", "1000", "--max-frame-bytes", "4096"]);
+    let values: Vec<f32> = (0..10_000).map(|i| i as f32).collect();
+    let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let attrs = tensor_attrs(&[10_000], "f", 32, bytes.len());
+    w.send(request(0, 3, "from_binary", &[1], &[], attrs), &bytes[..1000]);
+    for (i, chunk) in bytes[1000..].chunks(1000).enumerate() {
+        w.send(request(0, 3, "upload", &[1], &[], Term::int(1000 * (i as u64 + 1))), chunk);
+    }
+    assert_eq!(w.read_f32(1, 1), values);
+}
+
+#[test]
+fn oversized_and_undecodable_frames_are_refused_and_the_worker_keeps_serving() {
+    let mut w = Worker::start(&["--max-frame-bytes", "4096"]);
+    let attrs = tensor_attrs(&[2048], "f", 32, 8192);
+    w.send(request(0, 3, "from_binary", &[1], &[], attrs), &[0u8; 8192]);
+    // Reported unprompted (no call waits on a fire-and-forget frame)...
+    let (op, message) = error_parts(&w.recv().0);
+    assert_eq!(op, "protocol");
+    assert!(message.contains("frame of more than 4096 bytes refused"), "{message}");
+    // ...and poisoned into the id it would have defined.
+    assert_eq!(error_parts(&w.read(1, 1).unwrap_err()), (op, message));
+
+    // A packet whose header is not a term.
+    w.send_raw(&[0, 0, 0, 7, 0, 0, 0, 3, 1, 2, 3]);
+    let (reply, _) = w.recv();
+    assert_eq!(error_parts(&reply).0, "protocol");
+
+    w.upload_f32(2, &[1], &[5.0]);
+    assert_eq!(w.read_f32(2, 2), vec![5.0]);
+}
+
+#[test]
+fn an_upload_whose_bytes_do_not_match_its_shape_is_refused() {
+    let mut w = Worker::start(&[]);
+    let attrs = tensor_attrs(&[4], "f", 32, 12);
+    w.send(request(0, 3, "from_binary", &[1], &[], attrs), &[0u8; 12]);
+    let unprompted = w.recv().0;
+    let (op, message) = error_parts(&w.read(1, 1).unwrap_err());
+    assert_eq!(error_parts(&unprompted), (op.clone(), message.clone()));
+    assert_eq!(op, "from_binary");
+    assert!(message.contains("need 16"), "{message}");
+}
+
+#[test]
+fn release_forgets_ids() {
+    let mut w = Worker::start(&[]);
+    w.upload_f32(1, &[1], &[1.0]);
+    w.request(0, "release", &[], &[1], nil());
+    assert!(error_parts(&w.read(1, 1).unwrap_err()).1.contains("unknown tensor id 1"));
+}
+
+#[test]
+fn the_worker_exits_when_its_input_closes() {
+    let w = Worker::start(&[]);
+    assert!(w.close(Duration::from_secs(1)).success());
+}

@@ -60,6 +60,7 @@ int moat_async_eval(moat_array* const* arrays, size_t n);
 int moat_astype(const moat_array* a, int dtype, moat_array** out);
 int moat_contiguous(const moat_array* a, moat_array** out);
 int moat_reshape(const moat_array* a, const int32_t* shape, size_t ndim, moat_array** out);
+int moat_broadcast_to(const moat_array* a, const int32_t* shape, size_t ndim, moat_array** out);
 int moat_add(const moat_array* a, const moat_array* b, moat_array** out);
 int moat_subtract(const moat_array* a, const moat_array* b, moat_array** out);
 int moat_multiply(const moat_array* a, const moat_array* b, moat_array** out);

@@ -22,6 +22,10 @@ int moat_reshape(const moat_array* a, const int32_t* shape, size_t ndim, moat_ar
   return produce(out, [&] { return mx::reshape(arr(a), to_shape(shape, ndim)); });
 }
 
+int moat_broadcast_to(const moat_array* a, const int32_t* shape, size_t ndim, moat_array** out) {
+  return produce(out, [&] { return mx::broadcast_to(arr(a), to_shape(shape, ndim)); });
+}
+
 MOAT_BINARY(add)
 MOAT_BINARY(subtract)
 MOAT_BINARY(multiply)

@@ -48,6 +48,7 @@ extern "C" {
     pub fn moat_astype(a: *const moat_array, dtype: c_int, out: *mut *mut moat_array) -> c_int;
     pub fn moat_contiguous(a: *const moat_array, out: *mut *mut moat_array) -> c_int;
     pub fn moat_reshape(a: *const moat_array, shape: *const i32, ndim: usize, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_broadcast_to(a: *const moat_array, shape: *const i32, ndim: usize, out: *mut *mut moat_array) -> c_int;
     pub fn moat_add(a: *const moat_array, b: *const moat_array, out: *mut *mut moat_array) -> c_int;
     pub fn moat_subtract(a: *const moat_array, b: *const moat_array, out: *mut *mut moat_array) -> c_int;
     pub fn moat_multiply(a: *const moat_array, b: *const moat_array, out: *mut *mut moat_array) -> c_int;

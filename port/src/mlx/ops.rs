@@ -35,6 +35,11 @@ pub fn reshape(a: &Array, shape: &[i32]) -> Result<Array> {
     Array::from_call(|out| unsafe { ffi::moat_reshape(a.raw(), shape.as_ptr(), shape.len(), out) })
 }
 
+pub fn broadcast_to(a: &Array, shape: &[i32]) -> Result<Array> {
+    // SAFETY: `a` is live; `shape` is valid for `shape.len()` elements.
+    Array::from_call(|out| unsafe { ffi::moat_broadcast_to(a.raw(), shape.as_ptr(), shape.len(), out) })
+}
+
 pub fn sum(a: &Array, axes: &[i32], keepdims: bool) -> Result<Array> {
     // SAFETY: `a` is live; `axes` is valid for `axes.len()` elements.
     Array::from_call(|out| unsafe { ffi::moat_sum(a.raw(), axes.as_ptr(), axes.len(), keepdims as i32, out) })

@@ -26,6 +26,7 @@ const TABLE: &[(&str, usize, Builder)] = &[
     ("divide", 2, elementwise::divide),
     ("astype", 1, shape::astype),
     ("reshape", 1, shape::reshape),
+    ("broadcast_to", 1, shape::broadcast_to),
     ("sum", 1, reduction::sum),
     ("matmul", 2, linalg::matmul),
 ];

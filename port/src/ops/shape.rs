@@ -11,3 +11,7 @@ pub fn astype(x: &[&Array], a: &Term) -> Outputs {
 pub fn reshape(x: &[&Array], a: &Term) -> Outputs {
     one(ops::reshape(x[0], &attrs::ints(a)?))
 }
+
+pub fn broadcast_to(x: &[&Array], a: &Term) -> Outputs {
+    one(ops::broadcast_to(x[0], &attrs::ints(a)?))
+}

@@ -1,0 +1,233 @@
+defmodule Moat.Client do
+  @moduledoc """
+  The protocol client: sends frames to a worker and waits for replies.
+
+  Callers write to the port themselves (any process may), so ops do not queue
+  behind a GenServer. Fire-and-forget frames are admitted through a window of
+  unacknowledged frames (the worker acknowledges cumulatively), which bounds
+  what a fast producer can pile up; payload bytes are bounded by the port's
+  busy limit, which suspends a sender while the pipe is full. Calls register
+  an alias under a sequence number in the worker's ETS table; the
+  `Moat.Worker` process routes the reply to that alias. A caller also monitors
+  the `Moat.Worker` process, so when the worker dies every call in flight gets
+  an error at once.
+
+  The connection (`t:t/0`) lives in `:persistent_term` and is replaced on every
+  worker restart.
+  """
+
+  alias Moat.{Error, Protocol, Ref}
+
+  @enforce_keys [:name, :port, :generation, :owner, :table, :counters]
+  defstruct [:name, :port, :generation, :owner, :table, :counters, :window, :chunk_bytes, :info]
+
+  @type t :: %__MODULE__{
+          name: atom(),
+          port: port(),
+          generation: pos_integer(),
+          owner: pid(),
+          table: :ets.tid(),
+          counters: :atomics.atomics_ref(),
+          window: pos_integer(),
+          chunk_bytes: pos_integer(),
+          info: map()
+        }
+
+  # :atomics slots of a connection
+  @seq 1
+  @sent 2
+  @acked 3
+
+  @doc false
+  def new_counters, do: :atomics.new(3, signed: false)
+
+  @doc false
+  def record_ack(%__MODULE__{counters: c}, n), do: :atomics.put(c, @acked, n)
+
+  @doc false
+  def acked(%__MODULE__{counters: c}), do: :atomics.get(c, @acked)
+
+  @doc "The current connection of a worker; raises when none is running."
+  @spec conn(atom()) :: t()
+  def conn(name \\ Moat.Worker) do
+    :persistent_term.get({__MODULE__, name}, nil) ||
+      raise Error.new(:worker_unavailable, nil, "no Moat worker named #{inspect(name)} is running")
+  end
+
+  @doc false
+  def publish(%__MODULE__{name: name} = conn), do: :persistent_term.put({__MODULE__, name}, conn)
+
+  @doc false
+  def last_generation(name) do
+    case :persistent_term.get({__MODULE__, name}, nil) do
+      nil -> 0
+      %__MODULE__{generation: g} -> g
+    end
+  end
+
+  @doc "Fresh tensor ids, unique across all workers and restarts."
+  @spec new_ids(pos_integer()) :: [pos_integer()]
+  def new_ids(n) do
+    last = :atomics.add_get(ids(), 1, n)
+    Enum.to_list((last - n + 1)..last//1)
+  end
+
+  @doc "One fresh tensor id."
+  @spec new_id() :: pos_integer()
+  def new_id, do: :atomics.add_get(ids(), 1, 1)
+
+  defp ids do
+    case :persistent_term.get({__MODULE__, :ids}, nil) do
+      nil ->
+        # Racing creators are harmless: only one put wins and nobody has
+        # drawn from the loser.
+        ref = :atomics.new(1, signed: false)
+        :persistent_term.put({__MODULE__, :ids}, ref)
+        :persistent_term.get({__MODULE__, :ids})
+
+      ref ->
+        ref
+    end
+  end
+
+  @doc "A handle for `id` in this connection's generation."
+  @spec ref(t(), pos_integer()) :: Ref.t()
+  def ref(%__MODULE__{name: name, generation: g}, id), do: %Ref{worker: name, generation: g, id: id}
+
+  @doc """
+  The ids of handles, after checking they belong to this connection's
+  generation (a stale handle raises before anything is sent).
+  """
+  @spec ids!(t(), [Ref.t()], atom()) :: [pos_integer()]
+  def ids!(%__MODULE__{generation: g} = conn, refs, op) do
+    Enum.map(refs, fn
+      %Ref{generation: ^g, id: id} ->
+        id
+
+      %Ref{generation: old} ->
+        raise Error.new(
+                :stale_generation,
+                op,
+                "tensor belongs to worker generation #{old}, but #{inspect(conn.name)} " <>
+                  "restarted and is now generation #{g}; its data is gone"
+              )
+    end)
+  end
+
+  @doc "Sends a fire-and-forget op (no reply; failures poison `outs`)."
+  @spec cast(t(), atom(), [pos_integer()], [pos_integer()], term(), iodata()) :: :ok
+  def cast(conn, op, outs, ins, attrs, payload \\ []) do
+    admit(conn)
+    command(conn, op, Protocol.request(0, conn.generation, op, outs, ins, attrs, payload))
+  end
+
+  @doc """
+  Uploads a binary as tensor `id`, in frames of at most `chunk_bytes`.
+  """
+  @spec upload(t(), pos_integer(), binary(), [non_neg_integer()], Nx.Type.t()) :: :ok
+  def upload(conn, id, binary, shape, type) do
+    size = byte_size(binary)
+    first = min(size, conn.chunk_bytes)
+    attrs = %{bytes: size, dtype: type, shape: shape}
+    cast(conn, :from_binary, [id], [], attrs, binary_part(binary, 0, first))
+    upload_rest(conn, id, binary, first, size)
+  end
+
+  defp upload_rest(_conn, _id, _binary, offset, size) when offset >= size, do: :ok
+
+  defp upload_rest(conn, id, binary, offset, size) do
+    n = min(size - offset, conn.chunk_bytes)
+    cast(conn, :upload, [id], [], offset, binary_part(binary, offset, n))
+    upload_rest(conn, id, binary, offset + n, size)
+  end
+
+  @doc """
+  A blocking call: sends `op` with a sequence number and waits for the reply.
+
+  Returns `{:ok, result, payload}` (payload chunks reassembled into one
+  binary) or `{:error, %Moat.Error{}}`.
+  """
+  @spec call(t(), atom(), [pos_integer()], term(), timeout()) ::
+          {:ok, term(), binary()} | {:error, Error.t()}
+  def call(conn, op, ins, attrs, timeout \\ :infinity) do
+    seq = :atomics.add_get(conn.counters, @seq, 1)
+    mref = :erlang.monitor(:process, conn.owner, alias: :demonitor)
+    :ets.insert(conn.table, {seq, mref})
+    :atomics.add(conn.counters, @sent, 1)
+
+    try do
+      command(conn, op, Protocol.request(seq, conn.generation, op, [], ins, attrs))
+      await(conn, op, seq, mref, [], timeout)
+    rescue
+      e in Error ->
+        forget(conn, seq, mref)
+        {:error, e}
+    end
+  end
+
+  defp await(conn, op, seq, mref, chunks, timeout) do
+    receive do
+      {^mref, {:more, chunk}} ->
+        await(conn, op, seq, mref, [chunks | chunk], timeout)
+
+      {^mref, {:ok, result, last}} ->
+        Process.demonitor(mref, [:flush])
+        {:ok, result, join(chunks, last)}
+
+      {^mref, {:error, failed_op, message}} ->
+        Process.demonitor(mref, [:flush])
+        {:error, failure(failed_op, message)}
+
+      {:DOWN, ^mref, :process, _, reason} ->
+        {:error, Error.new(:worker_died, op, died(reason))}
+    after
+      timeout ->
+        forget(conn, seq, mref)
+        {:error, Error.new(:timeout, op, "no reply within #{timeout} ms")}
+    end
+  end
+
+  defp join([], last), do: last
+  defp join(chunks, last), do: IO.iodata_to_binary([chunks | last])
+
+  defp failure(:stale_generation, message), do: Error.new(:stale_generation, nil, message)
+  defp failure(op, message), do: Error.new(:op_failed, op, message)
+
+  defp forget(conn, seq, mref) do
+    Process.demonitor(mref, [:flush])
+    :ets.delete(conn.table, seq)
+  catch
+    # The table died with the worker process.
+    :error, :badarg -> true
+  end
+
+  @doc false
+  def died({:shutdown, {:worker_died, how}}), do: "the Moat worker died (#{how})"
+  def died(:noproc), do: "the Moat worker is not running (it is restarting or stopped)"
+  def died(reason), do: "the Moat worker's owner process exited: #{inspect(reason)}"
+
+  defp admit(%__MODULE__{counters: c, window: window} = conn) do
+    sent = :atomics.add_get(c, @sent, 1)
+
+    if sent - :atomics.get(c, @acked) > window do
+      try do
+        GenServer.call(conn.owner, {:await_ack, sent - window}, :infinity)
+      catch
+        :exit, reason -> raise Error.new(:worker_died, nil, died(exit_reason(reason)))
+      end
+    end
+
+    :ok
+  end
+
+  defp exit_reason({reason, {GenServer, :call, _}}), do: reason
+  defp exit_reason(reason), do: reason
+
+  defp command(conn, op, iodata) do
+    Port.command(conn.port, iodata)
+    :ok
+  rescue
+    ArgumentError ->
+      raise Error.new(:worker_unavailable, op, died(:noproc))
+  end
+end

@@ -1,0 +1,59 @@
+defmodule Moat.Protocol do
+  @moduledoc """
+  The frame codec of `protocol.md`, the Elixir half.
+
+  A frame is `<<header_len::32, header::binary-size(header_len), payload::binary>>`
+  inside a `{:packet, 4}` packet. The header is an Erlang term written with
+  `minor_version: 2` (the canonical form the worker writes too); the payload is
+  raw tensor bytes and is never copied here: outgoing frames are iodata and
+  incoming payloads are sub-binaries of the packet.
+  """
+
+  @version 1
+
+  @typedoc "A tensor id chosen by the client."
+  @type id :: pos_integer()
+
+  @doc "The protocol version this client speaks."
+  @spec version() :: pos_integer()
+  def version, do: @version
+
+  @doc "Encodes a header term the way protocol.md specifies."
+  @spec encode_header(term()) :: binary()
+  def encode_header(term), do: :erlang.term_to_binary(term, minor_version: 2)
+
+  @doc "A request frame as iodata: `{seq, generation, op, outs, ins, attrs}` plus payload."
+  @spec request(non_neg_integer(), pos_integer(), atom(), [id()], [id()], term(), iodata()) ::
+          iodata()
+  def request(seq, generation, op, outs, ins, attrs, payload \\ []) do
+    header = encode_header({seq, generation, op, outs, ins, attrs})
+    [<<byte_size(header)::32>>, header | payload]
+  end
+
+  @doc """
+  The atoms a worker may send besides op names (which the client sent
+  first). Listing them here creates them when this module loads, so replies
+  decode with `:safe`.
+  """
+  @spec worker_atoms() :: [atom()]
+  def worker_atoms do
+    ~w(hello ack ok more error protocol stale_generation blas openblas reference
+       chunk_bytes devices cpu gpu generation max_frame_bytes mlx os_pid bytes dtype
+       shape u s f bf c pred)a
+  end
+
+  @doc """
+  Splits a frame received from the worker into its header term and payload.
+
+  Decoding is `:safe`: a worker (possibly on another machine) cannot create
+  atoms in this VM.
+  """
+  @spec decode(binary()) :: {:ok, term(), binary()} | {:error, String.t()}
+  def decode(<<len::32, header::binary-size(len), payload::binary>>) do
+    {:ok, :erlang.binary_to_term(header, [:safe]), payload}
+  rescue
+    ArgumentError -> {:error, "undecodable header of #{len} bytes"}
+  end
+
+  def decode(frame), do: {:error, "frame of #{byte_size(frame)} bytes is shorter than its header"}
+end

@@ -1,0 +1,245 @@
+defmodule Moat.Worker do
+  @moduledoc """
+  Owns one `moat_port` worker process and routes its replies.
+
+  Started under `Moat.Supervisor` as `Moat.Worker` by the application, or
+  under your own supervisor with `{Moat.Worker, name: MyWorker}`.
+
+  When the worker's OS process exits for any reason, this process fails every
+  call in flight (callers monitor it), logs how the worker died, emits
+  `[:moat, :worker, :down]` and exits; its supervisor starts a new worker
+  with the next generation number, which emits `[:moat, :worker, :up]`.
+  Handles from the old generation then raise a `:stale_generation`
+  `Moat.Error`.
+
+  ## Options
+
+    * `:name` - registered name, also the key of the connection (default `Moat.Worker`)
+    * `:worker_path` - the `moat_port` executable (default: the one built into
+      this application's `priv/`, or `$MOAT_WORKER`)
+    * `:log_level` - the worker's stderr log level (default from
+      `config :moat, :worker_log_level`, `:warning`)
+    * `:window` - unacknowledged fire-and-forget frames allowed in flight (1024)
+    * `:chunk_bytes`, `:max_frame_bytes` - frame limits (64 MiB, 320 MiB)
+    * `:hello_timeout` - how long to wait for the worker's handshake (15 s)
+  """
+
+  use GenServer
+  require Logger
+
+  alias Moat.{Client, Protocol}
+
+  @doc false
+  def child_spec(opts) do
+    %{
+      id: Keyword.get(opts, :name, __MODULE__),
+      start: {__MODULE__, :start_link, [opts]},
+      restart: :permanent,
+      shutdown: 5_000
+    }
+  end
+
+  @spec start_link(keyword()) :: GenServer.on_start()
+  def start_link(opts \\ []) do
+    name = Keyword.get(opts, :name, __MODULE__)
+    GenServer.start_link(__MODULE__, Keyword.put(opts, :name, name), name: name)
+  end
+
+  @doc "The OS pid, generation, MLX version and devices of the running worker."
+  @spec info(atom()) :: map()
+  def info(name \\ __MODULE__) do
+    conn = Client.conn(name)
+    Map.put(conn.info, :generation, conn.generation)
+  end
+
+  @impl true
+  def init(opts) do
+    Process.flag(:trap_exit, true)
+    name = Keyword.fetch!(opts, :name)
+    generation = Client.last_generation(name) + 1
+    env = Application.get_all_env(:moat)
+    setting = &Keyword.get(opts, &1, Keyword.get(env, &1, &2))
+    chunk = setting.(:chunk_bytes, 64 * 1024 * 1024)
+
+    args = [
+      "--generation",
+      "#{generation}",
+      "--log-level",
+      worker_log_level(Keyword.get(opts, :log_level, env[:worker_log_level] || :warning)),
+      "--chunk-bytes",
+      "#{chunk}",
+      "--max-frame-bytes",
+      "#{setting.(:max_frame_bytes, 320 * 1024 * 1024)}"
+    ]
+
+    path = Keyword.get(opts, :worker_path) || worker_path()
+
+    port =
+      Port.open({:spawn_executable, path}, [
+        :binary,
+        {:packet, 4},
+        :exit_status,
+        :nouse_stdio,
+        {:args, args}
+      ])
+
+    with {:ok, info} <- await_hello(port, Keyword.get(opts, :hello_timeout, 15_000)) do
+      conn = %Client{
+        name: name,
+        port: port,
+        generation: generation,
+        owner: self(),
+        table: :ets.new(:moat_calls, [:set, :public, write_concurrency: true]),
+        counters: Client.new_counters(),
+        window: setting.(:window, 1024),
+        chunk_bytes: chunk,
+        info: info
+      }
+
+      Client.publish(conn)
+      :telemetry.execute([:moat, :worker, :up], %{system_time: System.system_time()}, %{
+        worker: name,
+        generation: generation,
+        os_pid: info.os_pid
+      })
+
+      {:ok, %{conn: conn, waiters: [], down: nil}}
+    end
+  end
+
+  defp worker_path do
+    System.get_env("MOAT_WORKER") || Application.app_dir(:moat, "priv/moat_port")
+  end
+
+  defp worker_log_level(:warning), do: "warn"
+  defp worker_log_level(level), do: to_string(level)
+
+  defp await_hello(port, timeout) do
+    receive do
+      {^port, {:data, frame}} ->
+        case Protocol.decode(frame) do
+          {:ok, {:hello, version, info}, _} when version == 1 ->
+            {:ok, info}
+
+          {:ok, {:hello, version, _}, _} ->
+            Port.close(port)
+
+            {:stop,
+             {:protocol_mismatch,
+              "the worker speaks protocol version #{version}, this client #{Protocol.version()}"}}
+
+          other ->
+            Port.close(port)
+            {:stop, {:bad_handshake, other}}
+        end
+
+      {^port, {:exit_status, status}} ->
+        {:stop, {:worker_died, describe_exit(status)}}
+    after
+      timeout ->
+        Port.close(port)
+        {:stop, {:handshake_timeout, timeout}}
+    end
+  end
+
+  @impl true
+  def handle_info({port, {:data, frame}}, %{conn: %{port: port}} = state) do
+    case Protocol.decode(frame) do
+      {:ok, header, payload} ->
+        {:noreply, route(header, payload, state)}
+
+      {:error, why} ->
+        Logger.error("Moat worker sent a bad frame: #{why}")
+        {:noreply, state}
+    end
+  end
+
+  def handle_info({port, {:exit_status, status}}, %{conn: %{port: port}} = state) do
+    how = describe_exit(status)
+    Logger.error("Moat worker #{inspect(state.conn.name)} (generation #{state.conn.generation}) died: #{how}")
+    {:stop, {:shutdown, {:worker_died, how}}, %{state | down: how}}
+  end
+
+  def handle_info({:EXIT, port, reason}, %{conn: %{port: port}} = state) do
+    how = "its port closed (#{inspect(reason)})"
+    {:stop, {:shutdown, {:worker_died, how}}, %{state | down: how}}
+  end
+
+  def handle_info(_other, state), do: {:noreply, state}
+
+  @impl true
+  def handle_call({:await_ack, target}, from, state) do
+    if Client.acked(state.conn) >= target do
+      {:reply, :ok, state}
+    else
+      {:noreply, %{state | waiters: [{target, from} | state.waiters]}}
+    end
+  end
+
+  @impl true
+  def terminate(reason, %{conn: conn} = state) do
+    if state.down == nil do
+      # A normal stop (application shutdown): closing the port gives the
+      # worker end of input, and it exits.
+      try do
+        Port.close(conn.port)
+      rescue
+        ArgumentError -> :ok
+      end
+    end
+
+    :telemetry.execute([:moat, :worker, :down], %{system_time: System.system_time()}, %{
+      worker: conn.name,
+      generation: conn.generation,
+      reason: state.down || reason
+    })
+  end
+
+  defp route({:ack, n}, _payload, state) do
+    Client.record_ack(state.conn, n)
+    {ready, waiting} = Enum.split_with(state.waiters, fn {target, _} -> target <= n end)
+    Enum.each(ready, fn {_, from} -> GenServer.reply(from, :ok) end)
+    %{state | waiters: waiting}
+  end
+
+  defp route({:ok, seq, result}, payload, state), do: reply(state, seq, {:ok, result, payload})
+
+  defp route({:more, seq}, payload, state) do
+    case :ets.lookup(state.conn.table, seq) do
+      [{^seq, alias}] -> send(alias, {alias, {:more, payload}})
+      [] -> :ok
+    end
+
+    state
+  end
+
+  defp route({:error, 0, op, message}, _payload, state) do
+    Logger.error("Moat worker refused a frame (#{op}): #{message}")
+    state
+  end
+
+  defp route({:error, seq, op, message}, _payload, state), do: reply(state, seq, {:error, op, message})
+
+  defp route(other, _payload, state) do
+    Logger.error("Moat worker sent an unexpected frame: #{inspect(other, limit: 20)}")
+    state
+  end
+
+  defp reply(state, seq, msg) do
+    case :ets.take(state.conn.table, seq) do
+      [{^seq, alias}] -> send(alias, {alias, msg})
+      [] -> :ok
+    end
+
+    state
+  end
+
+  @doc false
+  def describe_exit(status) when status > 128, do: "killed by signal #{status - 128}#{signal_name(status - 128)}"
+  def describe_exit(status), do: "exited with status #{status}"
+
+  defp signal_name(n) do
+    names = %{6 => "SIGABRT", 8 => "SIGFPE", 9 => "SIGKILL", 11 => "SIGSEGV", 15 => "SIGTERM"}
+    if name = names[n], do: " (#{name})", else: ""
+  end
+end

@@ -1,0 +1,85 @@
+defmodule Moat.MixProject do
+  use Mix.Project
+
+  @version "0.1.0"
+
+  def project do
+    [
+      app: :moat,
+      version: @version,
+      elixir: "~> 1.17",
+      elixirc_paths: elixirc_paths(Mix.env()),
+      test_paths: ["test"],
+      test_pattern: "*_test.exs",
+      compilers: [:moat_port | Mix.compilers()],
+      deps: deps(),
+      name: "Moat",
+      description: "An Nx backend on Apple's MLX, run in a supervised, crash-isolated worker process"
+    ]
+  end
+
+  defp elixirc_paths(:test), do: ["elixir", "test/support"]
+  defp elixirc_paths(_), do: ["elixir"]
+
+  def application do
+    [
+      extra_applications: [:logger],
+      mod: {Moat.Application, []},
+      env: [
+        worker_log_level: :warning,
+        fallback: :silent,
+        window: 1024,
+        chunk_bytes: 64 * 1024 * 1024,
+        max_frame_bytes: 320 * 1024 * 1024
+      ]
+    ]
+  end
+
+  # Nx, complex and telemetry come from Hex. Where hex.pm is out of reach,
+  # put source checkouts in MOAT_DEPS_DIR (default ~/.cache/moat/deps):
+  # nx/ (elixir-nx/nx at v0.13.1), complex/ and telemetry/ (v1.3.0).
+  defp deps do
+    dir = System.get_env("MOAT_DEPS_DIR") || Path.expand("~/.cache/moat/deps")
+
+    if File.dir?(Path.join(dir, "nx/nx")) do
+      [
+        {:nx, path: Path.join(dir, "nx/nx"), override: true},
+        {:complex, path: Path.join(dir, "complex"), override: true},
+        {:telemetry, path: Path.join(dir, "telemetry"), override: true}
+      ]
+    else
+      [{:nx, "~> 0.13"}, {:telemetry, "~> 1.0"}]
+    end
+  end
+end
+
+defmodule Mix.Tasks.Compile.MoatPort do
+  @shortdoc "Builds the moat_port worker with cargo and puts it in priv/"
+  @moduledoc false
+  use Mix.Task.Compiler
+
+  @impl true
+  def run(_args) do
+    root = Path.dirname(__ENV__.file)
+    built = Path.join(root, "target/release/moat_port")
+    dest = Path.join(Mix.Project.app_path(), "priv/moat_port")
+
+    case System.cmd("cargo", ["build", "--release", "--quiet", "-p", "moat_port"],
+           cd: root,
+           stderr_to_stdout: true
+         ) do
+      {_, 0} ->
+        File.mkdir_p!(Path.dirname(dest))
+
+        unless File.exists?(dest) and File.read!(dest) == File.read!(built) do
+          File.cp!(built, dest)
+        end
+
+        {:ok, []}
+
+      {output, status} ->
+        Mix.shell().error("cargo build of moat_port failed (exit #{status}):\n" <> output)
+        {:error, []}
+    end
+  end
+end

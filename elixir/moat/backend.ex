@@ -93,10 +93,10 @@ defmodule Moat.Backend do
   ## Ops
 
   @impl true
-  def as_type(%T{type: type} = out, tensor), do: op(out, :astype, [tensor], Moat.check_type!(type))
+  def as_type(%T{type: type} = out, tensor), do: op(out, :astype, [tensor], %{type: Moat.check_type!(type)})
 
   @impl true
-  def reshape(%T{shape: shape} = out, tensor), do: op(out, :reshape, [tensor], Tuple.to_list(shape))
+  def reshape(%T{shape: shape} = out, tensor), do: op(out, :reshape, [tensor], %{shape: Tuple.to_list(shape)})
 
   @impl true
   def broadcast(%T{shape: shape} = out, %T{shape: in_shape} = tensor, shape, axes) do
@@ -109,24 +109,79 @@ defmodule Moat.Backend do
       |> Enum.reduce(aligned, fn {axis, dim}, acc -> List.replace_at(acc, axis, dim) end)
 
     reshaped = reshape(%{tensor | shape: List.to_tuple(aligned)}, tensor)
-    op(out, :broadcast_to, [reshaped], Tuple.to_list(shape))
+    op(out, :broadcast_to, [reshaped], %{shape: Tuple.to_list(shape)})
   end
 
   for {name, mlx} <- [add: :add, subtract: :subtract, multiply: :multiply, divide: :divide] do
     @impl true
-    def unquote(name)(out, a, b), do: op(out, unquote(mlx), [cast(a, out.type), cast(b, out.type)], nil)
+    def unquote(name)(out, a, b), do: op(out, unquote(mlx), [a, b], %{type: out.type})
   end
 
   @impl true
   def sum(%T{} = out, tensor, opts) do
     axes = opts[:axes] || Nx.axes(tensor)
-    op(out, :sum, [cast(tensor, out.type)], %{axes: axes, keepdims: opts[:keep_axes] || false})
+    op(out, :sum, [tensor], %{axes: axes, keep_axes: opts[:keep_axes] || false, type: out.type})
   end
 
   @impl true
   def dot(out, a, [1], [], b, [0], []) when tuple_size(a.shape) == 2 and tuple_size(b.shape) == 2 do
-    op(out, :matmul, [cast(a, out.type), cast(b, out.type)], nil)
+    op(out, :matmul, [a, b], %{type: out.type})
   end
+
+  ## Fallbacks
+
+  @doc false
+  # Runs `op` on Nx.BinaryBackend: inputs are read back, the result is
+  # uploaded again. Emits [:moat, :fallback, :start | :stop | :exception] and
+  # obeys `config :moat, fallback: :silent | :warn | :raise`.
+  def via_binary(op, out, args, opts \\ []) do
+    meta = %{
+      op: op,
+      input_shapes: for(%T{shape: s} <- args, do: s),
+      input_types: for(%T{type: t} <- args, do: t)
+    }
+
+    policy = Application.get_env(:moat, :fallback, :silent)
+    fallback_policy(policy, op)
+
+    :telemetry.span([:moat, :fallback], meta, fn ->
+      args = Enum.map(args, &to_binary_backend/1)
+      result = apply(Nx.BinaryBackend, op, [out | args])
+      {from_binary_backend(result, opts), meta}
+    end)
+  end
+
+  defp fallback_policy(:silent, _op), do: :ok
+
+  defp fallback_policy(:warn, op) do
+    key = {__MODULE__, :warned, op}
+
+    unless :persistent_term.get(key, false) do
+      :persistent_term.put(key, true)
+
+      require Logger
+
+      Logger.warning(
+        "Moat.Backend: #{op} has no MLX implementation; it runs on Nx.BinaryBackend " <>
+          "(inputs copied out of the worker and back; warned once per op)"
+      )
+    end
+  end
+
+  defp fallback_policy(:raise, op) do
+    raise ArgumentError,
+          "Moat.Backend: #{op} has no MLX implementation and `config :moat, fallback: :raise` forbids " <>
+            "running it on Nx.BinaryBackend"
+  end
+
+  defp to_binary_backend(%T{data: %__MODULE__{}} = t), do: Nx.backend_copy(t, Nx.BinaryBackend)
+  defp to_binary_backend(list) when is_list(list), do: Enum.map(list, &to_binary_backend/1)
+  defp to_binary_backend(other), do: other
+
+  defp from_binary_backend(%T{} = t, opts), do: Nx.backend_transfer(t, __MODULE__, opts)
+
+  defp from_binary_backend(tuple, opts) when is_tuple(tuple),
+    do: tuple |> Tuple.to_list() |> Enum.map(&from_binary_backend(&1, opts)) |> List.to_tuple()
 
   ## Plumbing
 
@@ -140,15 +195,6 @@ defmodule Moat.Backend do
 
   defp ref(%T{data: %other{}}) do
     raise ArgumentError, "expected a Moat.Backend tensor, got one on #{inspect(other)}"
-  end
-
-  # Moves a tensor from another backend, or converts its type in the worker.
-  defp cast(%T{data: %__MODULE__{}, type: type} = t, type), do: t
-
-  defp cast(%T{data: %__MODULE__{}} = t, type), do: as_type(%{t | type: type}, t)
-
-  defp cast(%T{} = t, type) do
-    t |> Nx.backend_copy(__MODULE__) |> cast(type)
   end
 
   # Sends one graph-building op and returns `out` bound to its result.

@@ -56,18 +56,33 @@ const void* moat_array_data(const moat_array* a);
 int moat_eval(moat_array* const* arrays, size_t n);
 int moat_async_eval(moat_array* const* arrays, size_t n);
 
-// Ops
+// Ops, one section per family (shim/<family>.cpp). Each writes a new array
+// to *out.
+
+// -- shape and type (shape.cpp)
 int moat_astype(const moat_array* a, int dtype, moat_array** out);
 int moat_contiguous(const moat_array* a, moat_array** out);
 int moat_reshape(const moat_array* a, const int32_t* shape, size_t ndim, moat_array** out);
 int moat_broadcast_to(const moat_array* a, const int32_t* shape, size_t ndim, moat_array** out);
+
+// -- element-wise (elementwise.cpp)
 int moat_add(const moat_array* a, const moat_array* b, moat_array** out);
 int moat_subtract(const moat_array* a, const moat_array* b, moat_array** out);
 int moat_multiply(const moat_array* a, const moat_array* b, moat_array** out);
 int moat_divide(const moat_array* a, const moat_array* b, moat_array** out);
-int moat_matmul(const moat_array* a, const moat_array* b, moat_array** out);
+
+// -- reductions (reduction.cpp)
 int moat_sum(const moat_array* a, const int32_t* axes, size_t naxes, int keepdims,
              moat_array** out);
+
+// -- indexing (indexing.cpp)
+
+// -- linear algebra (linalg.cpp)
+int moat_matmul(const moat_array* a, const moat_array* b, moat_array** out);
+
+// -- windows and convolution (window.cpp)
+
+// -- fft (fft.cpp)
 
 #ifdef __cplusplus
 }

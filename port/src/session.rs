@@ -123,7 +123,7 @@ impl Session {
             let failure = Failure::new(&req.op, format!("unknown op {}", req.op));
             return self.fail(req.seq, &req.outs, failure);
         };
-        if req.ins.len() != arity {
+        if !arity.accepts(req.ins.len()) {
             let message = format!("{} takes {arity} inputs, got {}", req.op, req.ins.len());
             return self.fail(req.seq, &req.outs, Failure::new(&req.op, message));
         }

@@ -39,10 +39,18 @@ fn computes_and_reads_back() {
     let mut w = Worker::start(&[]);
     w.upload_f32(1, &[2, 2], &[1.0, 2.0, 3.0, 4.0]);
     w.upload_f32(2, &[2, 2], &[10.0, 20.0, 30.0, 40.0]);
-    w.request(0, "add", &[3], &[1, 2], nil());
-    w.request(0, "matmul", &[4], &[1, 2], nil());
-    let sum_attrs = moat_port::protocol::map(vec![("axes", ids(&[0, 1])), ("keepdims", Term::atom("false"))]);
+    w.request(0, "add", &[3], &[1, 2], typed("f", 32));
+    w.request(0, "matmul", &[4], &[1, 2], typed("f", 32));
+    let sum_attrs = moat_port::protocol::map(vec![
+        ("axes", ids(&[0, 1])),
+        ("keep_axes", Term::atom("false")),
+        ("type", Term::tuple(vec![Term::atom("f"), Term::int(32)])),
+    ]);
     w.request(0, "sum", &[5], &[3], sum_attrs);
+    w.upload_f32(6, &[2], &[1.5, 2.5]);
+    w.request(0, "astype", &[7], &[6], typed("s", 32));
+    let (_, ints) = w.read(4, 7).unwrap();
+    assert_eq!(ints, [1i32.to_le_bytes(), 2i32.to_le_bytes()].concat());
     assert_eq!(w.read_f32(1, 3), vec![11.0, 22.0, 33.0, 44.0]);
     assert_eq!(w.read_f32(2, 4), vec![70.0, 100.0, 150.0, 220.0]);
     let (meta, data) = w.read(3, 5).unwrap();
@@ -56,8 +64,8 @@ fn a_failed_op_poisons_its_dependents_and_names_itself() {
     let mut w = Worker::start(&[]);
     w.upload_f32(1, &[2, 3], &[0.0; 6]);
     w.upload_f32(2, &[2, 2], &[0.0; 4]);
-    w.request(0, "matmul", &[3], &[1, 2], nil());
-    w.request(0, "add", &[4], &[3, 3], nil());
+    w.request(0, "matmul", &[3], &[1, 2], typed("f", 32));
+    w.request(0, "add", &[4], &[3, 3], typed("f", 32));
     let (op, message) = error_parts(&w.read(1, 4).unwrap_err());
     assert_eq!(op, "matmul");
     assert!(message.contains("[matmul]"), "{message}");
@@ -69,15 +77,15 @@ fn a_failed_op_poisons_its_dependents_and_names_itself() {
 fn unknown_ops_ids_arity_and_attrs_are_clear_errors() {
     let mut w = Worker::start(&[]);
     w.upload_f32(1, &[2], &[1.0, 2.0]);
-    w.request(0, "frobnicate", &[2], &[1], nil());
+    w.request(0, "frobnicate", &[2], &[1], typed("f", 32));
     assert_eq!(error_parts(&w.read(1, 2).unwrap_err()), ("frobnicate".into(), "unknown op frobnicate".into()));
-    w.request(0, "add", &[3], &[1], nil());
+    w.request(0, "add", &[3], &[1], typed("f", 32));
     assert!(error_parts(&w.read(2, 3).unwrap_err()).1.contains("add takes 2 inputs, got 1"));
-    w.request(0, "add", &[4], &[1, 99], nil());
+    w.request(0, "add", &[4], &[1, 99], typed("f", 32));
     assert!(error_parts(&w.read(3, 4).unwrap_err()).1.contains("unknown tensor id 99"));
-    w.request(0, "astype", &[5], &[1], Term::atom("float"));
+    w.request(0, "astype", &[5], &[1], moat_port::protocol::map(vec![("type", Term::atom("float"))]));
     assert!(error_parts(&w.read(4, 5).unwrap_err()).1.contains("unsupported type :float"));
-    w.request(0, "add", &[1], &[1, 1], nil());
+    w.request(0, "add", &[1], &[1, 1], typed("f", 32));
     assert!(error_parts(&w.read(5, 1).unwrap_err()).1.contains("tensor id 1 is already defined"));
 }
 

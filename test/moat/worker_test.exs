@@ -8,7 +8,7 @@ defmodule Moat.WorkerTest do
   defp matmul(a, b) do
     conn = Client.conn(a.worker)
     id = Client.new_id()
-    Client.cast(conn, :matmul, [id], Client.ids!(conn, [a, b], :matmul), nil)
+    Client.cast(conn, :matmul, [id], Client.ids!(conn, [a, b], :matmul), %{type: {:f, 32}})
     Client.ref(conn, id)
   end
 
@@ -89,7 +89,7 @@ defmodule Moat.WorkerTest do
       last =
         Enum.reduce(1..3_000, one, fn _, acc ->
           id = Client.new_id()
-          Client.cast(conn, :add, [id], Client.ids!(conn, [acc, one], :add), nil)
+          Client.cast(conn, :add, [id], Client.ids!(conn, [acc, one], :add), %{type: {:f, 32}})
           sent = :atomics.get(conn.counters, 2)
           assert sent - Client.acked(conn) <= 16
           Client.ref(conn, id)
@@ -185,7 +185,7 @@ defmodule Moat.WorkerTest do
       chain = fn n, op ->
         Enum.reduce(1..n, one, fn _, acc ->
           id = Moat.Client.new_id()
-          Moat.Client.cast(conn, op, [id], Moat.Client.ids!(conn, [acc, one], op), nil)
+          Moat.Client.cast(conn, op, [id], Moat.Client.ids!(conn, [acc, one], op), %{type: {:f, 32}})
           Moat.Client.ref(conn, id)
         end)
       end

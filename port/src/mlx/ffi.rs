@@ -45,15 +45,19 @@ extern "C" {
     pub fn moat_eval(arrays: *const *mut moat_array, n: usize) -> c_int;
     pub fn moat_async_eval(arrays: *const *mut moat_array, n: usize) -> c_int;
 
+    // -- shape and type
     pub fn moat_astype(a: *const moat_array, dtype: c_int, out: *mut *mut moat_array) -> c_int;
     pub fn moat_contiguous(a: *const moat_array, out: *mut *mut moat_array) -> c_int;
     pub fn moat_reshape(a: *const moat_array, shape: *const i32, ndim: usize, out: *mut *mut moat_array) -> c_int;
     pub fn moat_broadcast_to(a: *const moat_array, shape: *const i32, ndim: usize, out: *mut *mut moat_array) -> c_int;
+
+    // -- element-wise
     pub fn moat_add(a: *const moat_array, b: *const moat_array, out: *mut *mut moat_array) -> c_int;
     pub fn moat_subtract(a: *const moat_array, b: *const moat_array, out: *mut *mut moat_array) -> c_int;
     pub fn moat_multiply(a: *const moat_array, b: *const moat_array, out: *mut *mut moat_array) -> c_int;
     pub fn moat_divide(a: *const moat_array, b: *const moat_array, out: *mut *mut moat_array) -> c_int;
-    pub fn moat_matmul(a: *const moat_array, b: *const moat_array, out: *mut *mut moat_array) -> c_int;
+
+    // -- reductions
     pub fn moat_sum(
         a: *const moat_array,
         axes: *const i32,
@@ -61,4 +65,13 @@ extern "C" {
         keepdims: c_int,
         out: *mut *mut moat_array,
     ) -> c_int;
+
+    // -- indexing
+
+    // -- linear algebra
+    pub fn moat_matmul(a: *const moat_array, b: *const moat_array, out: *mut *mut moat_array) -> c_int;
+
+    // -- windows and convolution
+
+    // -- fft
 }

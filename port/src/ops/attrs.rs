@@ -29,3 +29,8 @@ pub fn boolean(t: &Term) -> Result<bool, AttrError> {
 pub fn field<'a>(attrs: &'a Term, key: &str) -> Result<&'a Term, AttrError> {
     attrs.get(key).ok_or_else(|| format!("missing attribute {key}"))
 }
+
+/// The optional `type` key: the op's output type.
+pub fn out_type(attrs: &Term) -> Result<Option<Dtype>, AttrError> {
+    attrs.get("type").map(dtype).transpose()
+}

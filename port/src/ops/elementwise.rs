@@ -1,21 +1,18 @@
-//! Element-wise ops with MLX broadcasting.
+//! Element-wise ops with MLX broadcasting. Arithmetic converts its inputs to
+//! the output type first, as Nx does.
 
-use super::{one, Outputs};
+use super::{finish, to_out_type, Outputs};
 use crate::mlx::{ops, Array};
 use crate::term::Term;
 
-pub fn add(x: &[&Array], _: &Term) -> Outputs {
-    one(ops::add(x[0], x[1]))
+/// `fn name(inputs, attrs)`: both inputs to the output type, then the MLX op.
+macro_rules! arithmetic {
+    ($($name:ident),* $(,)?) => {$(
+        pub fn $name(x: &[&Array], a: &Term) -> Outputs {
+            let (l, r) = (to_out_type(x[0], a)?, to_out_type(x[1], a)?);
+            finish(ops::$name(&l, &r), a)
+        }
+    )*};
 }
 
-pub fn subtract(x: &[&Array], _: &Term) -> Outputs {
-    one(ops::subtract(x[0], x[1]))
-}
-
-pub fn multiply(x: &[&Array], _: &Term) -> Outputs {
-    one(ops::multiply(x[0], x[1]))
-}
-
-pub fn divide(x: &[&Array], _: &Term) -> Outputs {
-    one(ops::divide(x[0], x[1]))
-}
+arithmetic!(add, subtract, multiply, divide);

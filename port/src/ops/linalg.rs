@@ -1,9 +1,9 @@
 //! Matrix products and decompositions.
 
-use super::{one, Outputs};
+use super::{finish, to_out_type, Outputs};
 use crate::mlx::{ops, Array};
 use crate::term::Term;
 
-pub fn matmul(x: &[&Array], _: &Term) -> Outputs {
-    one(ops::matmul(x[0], x[1]))
+pub fn matmul(x: &[&Array], a: &Term) -> Outputs {
+    finish(ops::matmul(&to_out_type(x[0], a)?, &to_out_type(x[1], a)?), a)
 }

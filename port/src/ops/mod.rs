@@ -1,8 +1,13 @@
-//! The op table: every graph-building op the protocol accepts, by name.
+//! The op table: every graph-building op the protocol accepts, by name, one
+//! file per family.
 //!
+//! Ops are Nx's backend callbacks, one frame each: the worker does the type
+//! conversions Nx's semantics need, so the client never sends helper ops.
 //! A builder takes its input arrays and the request's attrs and returns the
-//! arrays it defines (lazy MLX graph nodes). It fails with a message; the
-//! session turns that into poisoned outputs that name the op.
+//! arrays it defines (lazy MLX graph nodes). Attrs are a map; its `type` key,
+//! when present, is the output type and the result is converted to it. A
+//! builder fails with a message; the session turns that into poisoned outputs
+//! that name the op.
 
 mod attrs;
 mod elementwise;
@@ -10,7 +15,7 @@ mod linalg;
 mod reduction;
 mod shape;
 
-use crate::mlx::Array;
+use crate::mlx::{ops, Array};
 use crate::term::Term;
 
 pub use attrs::AttrError;
@@ -18,24 +23,76 @@ pub use attrs::AttrError;
 pub type Outputs = Result<Vec<Array>, String>;
 pub type Builder = fn(&[&Array], &Term) -> Outputs;
 
-/// One entry per op: name, number of inputs, builder.
-const TABLE: &[(&str, usize, Builder)] = &[
-    ("add", 2, elementwise::add),
-    ("subtract", 2, elementwise::subtract),
-    ("multiply", 2, elementwise::multiply),
-    ("divide", 2, elementwise::divide),
-    ("astype", 1, shape::astype),
-    ("reshape", 1, shape::reshape),
-    ("broadcast_to", 1, shape::broadcast_to),
-    ("sum", 1, reduction::sum),
-    ("matmul", 2, linalg::matmul),
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Arity {
+    Exactly(usize),
+    AtLeast(usize),
+}
+
+impl Arity {
+    pub fn accepts(self, n: usize) -> bool {
+        match self {
+            Arity::Exactly(k) => n == k,
+            Arity::AtLeast(k) => n >= k,
+        }
+    }
+}
+
+impl std::fmt::Display for Arity {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Arity::Exactly(k) => write!(f, "{k}"),
+            Arity::AtLeast(k) => write!(f, "at least {k}"),
+        }
+    }
+}
+
+#[allow(unused_imports)]
+use Arity::{AtLeast, Exactly as N};
+
+/// One entry per op: name, inputs, builder. Grouped by family.
+const TABLE: &[(&str, Arity, Builder)] = &[
+    // shape and type
+    ("astype", N(1), shape::astype),
+    ("reshape", N(1), shape::reshape),
+    ("broadcast_to", N(1), shape::broadcast_to),
+    // element-wise
+    ("add", N(2), elementwise::add),
+    ("subtract", N(2), elementwise::subtract),
+    ("multiply", N(2), elementwise::multiply),
+    ("divide", N(2), elementwise::divide),
+    // reductions
+    ("sum", N(1), reduction::sum),
+    // indexing
+    // linear algebra
+    ("matmul", N(2), linalg::matmul),
+    // windows and convolution
+    // fft
 ];
 
-pub fn builder(op: &str) -> Option<(usize, Builder)> {
+pub fn builder(op: &str) -> Option<(Arity, Builder)> {
     TABLE.iter().find(|(name, _, _)| *name == op).map(|(_, arity, b)| (*arity, *b))
 }
 
-/// Turns an MLX or attribute error into the message an op fails with.
-fn one(result: crate::mlx::Result<Array>) -> Outputs {
-    result.map(|a| vec![a]).map_err(|e| e.message)
+/// Every op name in the table (for tests and diagnostics).
+pub fn names() -> impl Iterator<Item = &'static str> {
+    TABLE.iter().map(|(name, _, _)| *name)
+}
+
+/// The single output of an op, converted to the attrs' `type` if it has one.
+fn finish(result: crate::mlx::Result<Array>, a: &Term) -> Outputs {
+    let array = result.map_err(|e| e.message)?;
+    match attrs::out_type(a)? {
+        Some(t) if t != array.dtype() => Ok(vec![ops::astype(&array, t).map_err(|e| e.message)?]),
+        _ => Ok(vec![array]),
+    }
+}
+
+/// `x` converted to the attrs' `type` (inputs of arithmetic take the output
+/// type first, as Nx does).
+fn to_out_type(x: &Array, a: &Term) -> Result<Array, String> {
+    match attrs::out_type(a)? {
+        Some(t) if t != x.dtype() => ops::astype(x, t).map_err(|e| e.message),
+        _ => x.share().map_err(|e| e.message),
+    }
 }

@@ -125,6 +125,11 @@ pub fn nil() -> Term {
     Term::atom("nil")
 }
 
+/// `%{type: {kind, bits}}`: the attrs of most graph ops.
+pub fn typed(kind: &str, bits: u32) -> Term {
+    moat_port::protocol::map(vec![("type", Term::tuple(vec![Term::atom(kind), Term::int(bits)]))])
+}
+
 pub fn ids(v: &[u64]) -> Term {
     Term::List(v.iter().map(|i| Term::int(*i)).collect())
 }

@@ -1,0 +1,38 @@
+//! One safe function per shim op, in one file per family. Ops build lazy
+//! graph nodes; shape and type errors are reported here, kernel errors at
+//! evaluation.
+
+mod elementwise;
+mod linalg;
+mod reduction;
+mod shape;
+
+pub use elementwise::*;
+pub use linalg::*;
+pub use reduction::*;
+pub use shape::*;
+
+/// `fn name(a, b) -> Result<Array>` over `ffi::moat_name`.
+macro_rules! binary {
+    ($($name:ident => $ffi:ident),* $(,)?) => {$(
+        pub fn $name(a: &Array, b: &Array) -> Result<Array> {
+            // SAFETY: both inputs are live arrays borrowed for the call.
+            Array::from_call(|out| unsafe { ffi::$ffi(a.raw(), b.raw(), out) })
+        }
+    )*};
+}
+
+/// `fn name(a) -> Result<Array>` over `ffi::moat_name`.
+#[allow(unused_macros)]
+macro_rules! unary {
+    ($($name:ident => $ffi:ident),* $(,)?) => {$(
+        pub fn $name(a: &Array) -> Result<Array> {
+            // SAFETY: the input is a live array borrowed for the call.
+            Array::from_call(|out| unsafe { ffi::$ffi(a.raw(), out) })
+        }
+    )*};
+}
+
+pub(crate) use binary;
+#[allow(unused_imports)]
+pub(crate) use unary;

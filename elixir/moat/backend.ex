@@ -90,7 +90,7 @@ defmodule Moat.Backend do
     end
   end
 
-  ## Ops
+  ## Shape and type
 
   @impl true
   def as_type(%T{type: type} = out, tensor), do: op(out, :astype, [tensor], %{type: Moat.check_type!(type)})
@@ -112,10 +112,14 @@ defmodule Moat.Backend do
     op(out, :broadcast_to, [reshaped], %{shape: Tuple.to_list(shape)})
   end
 
+  ## Element-wise
+
   for {name, mlx} <- [add: :add, subtract: :subtract, multiply: :multiply, divide: :divide] do
     @impl true
     def unquote(name)(out, a, b), do: op(out, unquote(mlx), [a, b], %{type: out.type})
   end
+
+  ## Reductions, cumulative ops and sorting
 
   @impl true
   def sum(%T{} = out, tensor, opts) do
@@ -123,10 +127,35 @@ defmodule Moat.Backend do
     op(out, :sum, [tensor], %{axes: axes, keep_axes: opts[:keep_axes] || false, type: out.type})
   end
 
+  ## Indexing
+
+  ## Dot, convolution and linear algebra
+
   @impl true
   def dot(out, a, [1], [], b, [0], []) when tuple_size(a.shape) == 2 and tuple_size(b.shape) == 2 do
     op(out, :matmul, [a, b], %{type: out.type})
   end
+
+  ## Windows
+
+  ## FFT
+
+  ## Blocks
+
+  # Nx.block/4 structs (linear algebra, cumulative ops, take, top_k, fft2...)
+  # run natively where a family implements them; otherwise Nx's default
+  # implementation runs, built from the callbacks above.
+  @impl true
+  def block(struct, output, args, fun) do
+    with :default <- elementwise_block(struct, output, args),
+         :default <- indexing_block(struct, output, args) do
+      apply(fun, [struct | args])
+    end
+  end
+
+  defp elementwise_block(_struct, _output, _args), do: :default
+
+  defp indexing_block(_struct, _output, _args), do: :default
 
   ## Fallbacks
 

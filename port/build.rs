@@ -15,6 +15,7 @@ fn main() {
         println!("cargo:rerun-if-env-changed={var}");
     }
     println!("cargo:rerun-if-changed=shim");
+    println!("cargo:rustc-check-cfg=cfg(moat_openblas)");
 
     let mlx = find_mlx().unwrap_or_else(|| {
         panic!(
@@ -70,7 +71,6 @@ fn link_blas() {
              the worker uses MLX's bundled reference BLAS, which is ~30x slower at matmul"
         ),
     }
-    println!("cargo:rustc-check-cfg=cfg(moat_openblas)");
 }
 
 fn find_mlx() -> Option<PathBuf> {

@@ -207,7 +207,7 @@ defmodule Moat.Backend do
   defp to_binary_backend(list) when is_list(list), do: Enum.map(list, &to_binary_backend/1)
   defp to_binary_backend(other), do: other
 
-  defp from_binary_backend(%T{} = t, opts), do: Nx.backend_transfer(t, __MODULE__, opts)
+  defp from_binary_backend(%T{} = t, opts), do: Nx.backend_transfer(t, {__MODULE__, opts})
 
   defp from_binary_backend(tuple, opts) when is_tuple(tuple),
     do: tuple |> Tuple.to_list() |> Enum.map(&from_binary_backend(&1, opts)) |> List.to_tuple()

@@ -1,0 +1,133 @@
+# The foundation's numbers, all measured in one run: round-trip latency,
+# fire-and-forget throughput, transfer bandwidth, and f32 matmul next to
+# numpy, Nx.BinaryBackend and MLX's bundled reference BLAS. Run with
+# bin/bench (mix run -r bench/support.exs bench/foundation.exs). Medians
+# (p99 where it matters); the machine is noisy, so compare ratios within one
+# run.
+
+import Bench
+
+info = Moat.Worker.info()
+IO.puts("Moat worker: MLX #{info.mlx}, BLAS #{info.blas}, #{System.schedulers_online()} schedulers\n")
+
+## Latency
+
+small_moat = moat(f32(4, 1.5), {4})
+small_bin = Nx.tensor([1.5, 1.5, 1.5, 1.5], backend: Nx.BinaryBackend)
+conn = Moat.Client.conn()
+for _ <- 1..200, do: small_moat |> Nx.add(small_moat) |> Nx.to_binary()
+
+sync = samples(5000, fn -> {:ok, _, _} = Moat.Client.call(conn, :sync, [], nil) end)
+moat_rt = samples(5000, fn -> small_moat |> Nx.add(small_moat) |> Nx.to_binary() end)
+bin_rt = samples(5000, fn -> small_bin |> Nx.add(small_bin) |> Nx.to_binary() end)
+
+IO.puts("### Round trip (µs)\n")
+row(["", "median", "p99"])
+row(["---", "---:", "---:"])
+row(["protocol round trip (`:sync` call)", fmt(median(sync)), fmt(percentile(sync, 99))])
+row(["Nx.add of f32[4] + Nx.to_binary, Moat", fmt(median(moat_rt)), fmt(percentile(moat_rt, 99))])
+row(["the same on Nx.BinaryBackend", fmt(median(bin_rt)), fmt(percentile(bin_rt, 99))])
+
+## Fire-and-forget throughput
+
+n_ops = 100_000
+chain = fn t, add -> Enum.reduce(1..n_ops, t, fn _, acc -> add.(acc, t) end) end
+
+moat_ops =
+  for _ <- 1..3 do
+    time_us(fn -> chain.(small_moat, &Nx.add/2) |> Nx.to_binary() end)
+  end
+
+one = Moat.from_binary(f32(4, 1.0), {4}, {:f, 32})
+
+raw_ops =
+  for _ <- 1..3 do
+    time_us(fn ->
+      last =
+        Enum.reduce(1..n_ops, one, fn _, acc ->
+          id = Moat.Client.new_id()
+          Moat.Client.cast(conn, :add, [id], [acc.id, one.id], %{type: {:f, 32}})
+          Moat.Client.ref(conn, id)
+        end)
+
+      Moat.to_binary(last)
+    end)
+  end
+
+bin_ops = for _ <- 1..3, do: time_us(fn -> chain.(small_bin, &Nx.add/2) |> Nx.to_binary() end)
+per_s = fn us -> n_ops / (median(us) / 1_000_000) end
+
+IO.puts("\n### Fire-and-forget ops (#{n_ops} chained adds of f32[4], then one readback)\n")
+row(["", "ops/s", "µs/op"])
+row(["---", "---:", "---:"])
+row(["Nx.add on Moat.Backend", fmt(per_s.(moat_ops)), fmt(median(moat_ops) / n_ops)])
+row(["raw `Moat.Client.cast`", fmt(per_s.(raw_ops)), fmt(median(raw_ops) / n_ops)])
+row(["Nx.add on Nx.BinaryBackend", fmt(per_s.(bin_ops)), fmt(median(bin_ops) / n_ops)])
+
+## Transfers
+
+IO.puts("\n### Transfers (GB/s, 10⁹ bytes/s)\n")
+row(["size", "from_binary (upload + eval)", "to_binary (evaluated)", "reps"])
+row(["---", "---:", "---:", "---:"])
+
+for {label, bytes, reps} <- [{"1 MB", 1_000_000, 50}, {"64 MB", 64_000_000, 5}, {"1.5 GiB", 1_610_612_736, 2}] do
+  binary = :binary.copy(<<1, 2, 3, 4, 5, 6, 7, 8>>, div(bytes, 8))
+
+  up =
+    samples(reps, fn ->
+      ref = Moat.from_binary(binary, {bytes}, {:u, 8})
+      :ok = Moat.eval(ref)
+      Nx.backend_deallocate(%Nx.Tensor{data: %Moat.Backend{ref: ref}, shape: {bytes}, type: {:u, 8}, names: [nil]})
+    end)
+
+  ref = Moat.from_binary(binary, {bytes}, {:u, 8})
+  :ok = Moat.eval(ref)
+  down = samples(reps, fn -> ^bytes = byte_size(Moat.to_binary(ref)) end)
+  gbps = fn us -> bytes / (median(us) * 1000) end
+  row([label, fmt(gbps.(up)), fmt(gbps.(down)), "#{reps}"])
+  :erlang.garbage_collect()
+end
+
+## Matmul
+
+python = System.get_env("MOAT_BENCH_PYTHON", "python3")
+{out, 0} = System.cmd(python, [Path.join(__DIR__, "numpy_matmul.py"), "1024", "2048"])
+[["numpy", numpy_version] | sizes] = out |> String.split("\n", trim: true) |> Enum.map(&String.split/1)
+numpy = Map.new(sizes, fn [n, s] -> {String.to_integer(n), String.to_float(s)} end)
+
+bundled_path = System.get_env("MOAT_BUNDLED_BLAS_WORKER")
+
+bundled =
+  if bundled_path && File.exists?(bundled_path) do
+    {:ok, _} = Moat.Worker.start_link(name: :bundled_blas, worker_path: bundled_path)
+    :bundled_blas
+  end
+
+gflops = fn n, us -> 2 * n * n * n / (us * 1000) end
+
+matmul_us = fn worker, n, reps ->
+  a = moat(f32(n * n, 0.5), {n, n}, worker)
+  b = moat(f32(n * n, 0.25), {n, n}, worker)
+  Moat.eval(Nx.dot(a, b).data.ref)
+  median(samples(reps, fn -> Moat.eval(Nx.dot(a, b).data.ref) end))
+end
+
+binary_256 =
+  median(
+    samples(2, fn ->
+      a = Nx.iota({256, 256}, type: :f32, backend: Nx.BinaryBackend)
+      Nx.dot(a, a)
+    end)
+  )
+
+IO.puts("\n### f32 matmul (GFLOP/s; numpy #{numpy_version} on the same machine)\n")
+row(["n", "Moat (OpenBLAS)", "numpy", "Moat / numpy", "Moat, MLX's bundled BLAS", "Nx.BinaryBackend"])
+row(["---", "---:", "---:", "---:", "---:", "---:"])
+
+for n <- [1024, 2048] do
+  moat_g = gflops.(n, matmul_us.(Moat.Worker, n, if(n == 1024, do: 10, else: 5)))
+  numpy_g = gflops.(n, numpy[n] * 1_000_000)
+  bundled_g = if bundled, do: fmt(gflops.(n, matmul_us.(bundled, n, 1))), else: "–"
+  binary_g = if n == 1024, do: "#{fmt(gflops.(256, binary_256))} (at n = 256)", else: "–"
+  row(["#{n}", fmt(moat_g), fmt(numpy_g), ratio(moat_g, numpy_g), bundled_g, binary_g])
+end

@@ -11,7 +11,7 @@ use crate::protocol::{self, Id, Malformed, Request};
 use crate::term::Term;
 use crossbeam_channel::{Receiver, Sender};
 use std::collections::HashMap;
-use std::io::{self, BufWriter, Read, Write};
+use std::io::{self, BufReader, BufWriter, Read, Write};
 
 pub enum Incoming {
     Request { req: Request, upload: Option<Upload> },
@@ -42,7 +42,9 @@ struct Pending {
 
 /// Reads frames until end of input (`Ok`) or a broken stream (`Err`).
 pub fn read_loop(input: impl Read, limits: Limits, tx: Sender<Incoming>) -> io::Result<()> {
-    let mut frames = FrameReader::new(input, limits);
+    // Small frames arrive many per read; payloads larger than the buffer
+    // bypass it and land straight in their MLX buffer.
+    let mut frames = FrameReader::new(BufReader::with_capacity(64 << 10, input), limits);
     let mut uploads: HashMap<Id, Pending> = HashMap::new();
     while let Some(head) = frames.next_head()? {
         let msg = incoming(&mut frames, &mut uploads, head, limits)?;

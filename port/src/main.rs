@@ -11,6 +11,11 @@ use moat_port::sys;
 use moat_port::term::Term;
 use std::thread;
 
+// Frames are decoded on the reader thread and dropped on the session thread;
+// glibc's malloc serialises such cross-thread frees on arena locks.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 const USAGE: &str = "usage: moat_port [--generation N] [--log-level error|warn|info|debug|trace] \
                      [--chunk-bytes N] [--max-frame-bytes N]";
 

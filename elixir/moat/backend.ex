@@ -46,33 +46,82 @@ defmodule Moat.Backend do
   end
 
   @impl true
-  def constant(%T{shape: shape} = out, number, opts) do
-    scalar = Nx.BinaryBackend.constant(%{out | shape: {}}, number, []) |> Nx.to_binary()
-    from_binary(out, :binary.copy(scalar, Nx.size(shape)), opts)
+  def constant(%T{shape: shape, type: type} = out, number, opts) do
+    value = Nx.BinaryBackend.constant(%{out | shape: {}}, number, []) |> Nx.to_binary()
+    create(out, :constant, %{value: value, shape: Tuple.to_list(shape), type: Moat.check_type!(type)}, opts)
+  end
+
+  @impl true
+  def eye(%T{shape: shape, type: type} = out, opts) do
+    create(out, :eye, %{shape: Tuple.to_list(shape), type: Moat.check_type!(type)}, opts)
+  end
+
+  @impl true
+  def iota(%T{shape: shape, type: type} = out, axis, opts) do
+    create(out, :iota, %{shape: Tuple.to_list(shape), axis: axis, type: Moat.check_type!(type)}, opts)
   end
 
   @impl true
   def to_binary(%T{type: {_, bits}} = tensor, limit) do
-    binary = Moat.to_binary(ref(tensor))
+    binary =
+      if limit < Nx.size(tensor) do
+        # Only the first `limit` elements leave the worker.
+        flat = reshape(%{tensor | shape: {Nx.size(tensor)}}, tensor)
+        head = slice(%{flat | shape: {limit}}, flat, [0], [limit], [1])
+        read_and_release([flat, head])
+      else
+        Moat.to_binary(ref(tensor))
+      end
+
     binary_part(binary, 0, min(byte_size(binary), div(limit * bits, 8)))
   end
 
-  @impl true
-  def inspect(%T{} = tensor, inspect_opts) do
-    limit = if inspect_opts.limit == :infinity, do: :infinity, else: inspect_opts.limit + 1
-    binary = to_binary(tensor, min(limit, Nx.size(tensor)))
-    Nx.Backend.inspect(tensor, binary, inspect_opts)
+  defp read_and_release(tensors) do
+    binary = Moat.to_binary(ref(List.last(tensors)))
+    Enum.each(tensors, &backend_deallocate/1)
+    binary
   end
 
   @impl true
+  def inspect(%T{data: %__MODULE__{device: device}} = tensor, inspect_opts) do
+    limit = if inspect_opts.limit == :infinity, do: :infinity, else: inspect_opts.limit + 1
+    binary = to_binary(tensor, min(limit, Nx.size(tensor)))
+    doc = Nx.Backend.inspect(tensor, binary, inspect_opts)
+
+    # `config :moat, inspect_backend: false` leaves the signature out.
+    if Application.get_env(:moat, :inspect_backend, true) do
+      Inspect.Algebra.concat(["Moat.Backend(#{device})", Inspect.Algebra.line(), doc])
+    else
+      doc
+    end
+  end
+
+  @impl true
+  def backend_copy(%T{} = tensor, __MODULE__, opts) do
+    if worker(opts) == ref(tensor).worker do
+      # MLX arrays are immutable: the copy is a new id for the same array.
+      op(tensor, :copy, [tensor], %{})
+    else
+      from_binary(tensor, Moat.to_binary(ref(tensor)), opts)
+    end
+  end
+
   def backend_copy(tensor, backend, opts) do
     backend.from_binary(tensor, Moat.to_binary(ref(tensor)), opts)
   end
 
   @impl true
-  def backend_transfer(tensor, __MODULE__, _opts), do: tensor
+  def backend_transfer(tensor, __MODULE__, opts) do
+    if worker(opts) == ref(tensor).worker do
+      tensor
+    else
+      transfer(tensor, __MODULE__, opts)
+    end
+  end
 
-  def backend_transfer(tensor, backend, opts) do
+  def backend_transfer(tensor, backend, opts), do: transfer(tensor, backend, opts)
+
+  defp transfer(tensor, backend, opts) do
     result = backend_copy(tensor, backend, opts)
     backend_deallocate(tensor)
     result
@@ -90,41 +139,150 @@ defmodule Moat.Backend do
     end
   end
 
+  @impl true
+  def to_batched(%T{shape: shape} = out, %T{shape: in_shape} = tensor, opts) do
+    {size, n} = {elem(shape, 0), elem(in_shape, 0)}
+    leftover = Keyword.get(opts, :leftover, :repeat)
+    count = div(n, size) + if(rem(n, size) != 0 and leftover == :repeat, do: 1, else: 0)
+    outs = List.duplicate(out, count)
+    multi_op(outs, :to_batched, [tensor], %{batch_size: size, leftover: leftover})
+  end
+
+  @impl true
+  def to_pointer(%T{}, opts) do
+    mode = Keyword.get(opts, :mode, :local)
+
+    raise ArgumentError,
+          "Moat.Backend does not support to_pointer (mode: #{inspect(mode)}): tensor data lives in " <>
+            "the moat_port worker process, so a :local pointer would be an address in another " <>
+            "process; copy the data out with Nx.to_binary/1 instead"
+  end
+
+  @impl true
+  def from_pointer(_pointer, _type, _shape, _backend_opts, _opts) do
+    raise ArgumentError,
+          "Moat.Backend does not support from_pointer: the moat_port worker cannot adopt memory " <>
+            "of the BEAM or of another process; build the tensor with Nx.from_binary/3 instead"
+  end
+
   ## Shape and type
 
   @impl true
   def as_type(%T{type: type} = out, tensor), do: op(out, :astype, [tensor], %{type: Moat.check_type!(type)})
 
   @impl true
+  def bitcast(%T{type: type} = out, tensor), do: op(out, :bitcast, [tensor], %{type: Moat.check_type!(type)})
+
+  @impl true
   def reshape(%T{shape: shape} = out, tensor), do: op(out, :reshape, [tensor], %{shape: Tuple.to_list(shape)})
 
   @impl true
-  def broadcast(%T{shape: shape} = out, %T{shape: in_shape} = tensor, shape, axes) do
-    # Nx maps input axis i to output axis axes[i]; MLX aligns trailing axes,
-    # so first give the input the output's rank with 1s elsewhere.
-    aligned = List.duplicate(1, tuple_size(shape))
+  def squeeze(out, tensor, _axes), do: reshape(out, tensor)
 
-    aligned =
-      Enum.zip(axes, Tuple.to_list(in_shape))
-      |> Enum.reduce(aligned, fn {axis, dim}, acc -> List.replace_at(acc, axis, dim) end)
-
-    reshaped = reshape(%{tensor | shape: List.to_tuple(aligned)}, tensor)
-    op(out, :broadcast_to, [reshaped], %{shape: Tuple.to_list(shape)})
+  @impl true
+  def broadcast(out, tensor, shape, axes) do
+    op(out, :broadcast, [tensor], %{shape: Tuple.to_list(shape), axes: axes})
   end
+
+  @impl true
+  def transpose(out, tensor, axes), do: op(out, :transpose, [tensor], %{axes: axes})
+
+  @impl true
+  def reverse(out, tensor, axes), do: op(out, :reverse, [tensor], %{axes: axes})
+
+  @impl true
+  def pad(out, tensor, pad_value, config) do
+    config = for {low, high, interior} <- config, do: [low, high, interior]
+    op(out, :pad, [tensor, pad_value], %{config: config, type: out.type})
+  end
+
+  @impl true
+  def slice(out, tensor, start, lengths, strides) do
+    op(out, :slice, [tensor], %{start: integers(start), lengths: lengths, strides: strides})
+  end
+
+  @impl true
+  def put_slice(out, tensor, start, slice) do
+    op(out, :put_slice, [tensor, slice], %{start: integers(start), type: out.type})
+  end
+
+  # Start indices may be scalar tensors; reading them is a round trip.
+  defp integers(indices), do: Enum.map(indices, fn i when is_integer(i) -> i; t -> Nx.to_number(t) end)
+
+  @impl true
+  def concatenate(out, tensors, axis), do: op(out, :concatenate, tensors, %{axis: axis, type: out.type})
+
+  @impl true
+  def stack(out, tensors, axis), do: op(out, :stack, tensors, %{axis: axis, type: out.type})
+
+  @impl true
+  def select(out, pred, on_true, on_false), do: op(out, :select, [pred, on_true, on_false], %{type: out.type})
+
+  @impl true
+  def clip(out, tensor, min, max), do: op(out, :clip, [tensor, min, max], %{type: out.type})
 
   ## Element-wise
 
-  for {name, mlx} <- [add: :add, subtract: :subtract, multiply: :multiply, divide: :divide] do
+  # Every one is one worker op of the same name; the worker converts the
+  # inputs to the output type first, as Nx does.
+  @unary_ops [:exp, :expm1, :log, :log1p, :sigmoid, :cos, :sin, :tan, :cosh, :sinh, :tanh] ++
+               [:acos, :asin, :atan, :acosh, :asinh, :atanh, :sqrt, :rsqrt, :cbrt] ++
+               [:erf, :erfc, :erf_inv, :abs, :bitwise_not, :ceil, :conjugate, :floor] ++
+               [:negate, :round, :sign, :real, :imag, :is_nan, :is_infinity]
+
+  for name <- @unary_ops do
     @impl true
-    def unquote(name)(out, a, b), do: op(out, unquote(mlx), [a, b], %{type: out.type})
+    def unquote(name)(out, tensor), do: op(out, unquote(name), [tensor], %{type: out.type})
+  end
+
+  @binary_ops [:add, :subtract, :multiply, :pow, :divide, :atan2, :min, :max] ++
+                [:bitwise_and, :bitwise_or, :bitwise_xor, :left_shift, :right_shift] ++
+                [:logical_and, :logical_or, :logical_xor]
+
+  for name <- @binary_ops do
+    @impl true
+    def unquote(name)(out, a, b), do: op(out, unquote(name), [a, b], %{type: out.type})
+  end
+
+  # Both sides are compared in their merged type; the result is u8.
+  @comparison_ops [:equal, :not_equal, :greater, :less, :greater_equal, :less_equal]
+
+  for name <- @comparison_ops do
+    @impl true
+    def unquote(name)(out, a, b) do
+      op(out, unquote(name), [a, b], %{type: out.type, input_type: Nx.Type.merge(a.type, b.type)})
+    end
   end
 
   ## Reductions, cumulative ops and sorting
 
+  for name <- [:sum, :product, :reduce_max, :reduce_min, :all, :any] do
+    @impl true
+    def unquote(name)(out, tensor, opts), do: op(out, unquote(name), [tensor], reduce_attrs(out, tensor, opts))
+  end
+
+  defp reduce_attrs(out, tensor, opts) do
+    %{axes: opts[:axes] || Nx.axes(tensor), keep_axes: opts[:keep_axes] || false, type: out.type}
+  end
+
+  for name <- [:argmax, :argmin] do
+    @impl true
+    def unquote(name)(out, tensor, opts) do
+      axis = opts[:axis]
+      keep = axis != nil and (opts[:keep_axis] || false)
+      attrs = %{axis: axis, tie_break: opts[:tie_break] || :low, keep_axes: keep, type: out.type}
+      op(out, unquote(name), [tensor], attrs)
+    end
+  end
+
   @impl true
-  def sum(%T{} = out, tensor, opts) do
-    axes = opts[:axes] || Nx.axes(tensor)
-    op(out, :sum, [tensor], %{axes: axes, keep_axes: opts[:keep_axes] || false, type: out.type})
+  def sort(out, tensor, opts) do
+    op(out, :sort, [tensor], %{axis: opts[:axis], direction: opts[:direction] || :asc})
+  end
+
+  @impl true
+  def argsort(out, tensor, opts) do
+    op(out, :argsort, [tensor], %{axis: opts[:axis], direction: opts[:direction] || :asc, type: out.type})
   end
 
   ## Indexing
@@ -151,6 +309,36 @@ defmodule Moat.Backend do
          :default <- indexing_block(struct, output, args) do
       apply(fun, [struct | args])
     end
+  end
+
+  @cumulative_blocks %{
+    Nx.Block.CumulativeSum => :cumulative_sum,
+    Nx.Block.CumulativeProduct => :cumulative_product,
+    Nx.Block.CumulativeMin => :cumulative_min,
+    Nx.Block.CumulativeMax => :cumulative_max
+  }
+
+  defp elementwise_block(%Nx.Block.LogicalNot{}, out, [t]), do: op(out, :logical_not, [t], %{type: out.type})
+
+  defp elementwise_block(%Nx.Block.Phase{}, out, [t]), do: op(out, :phase, [t], %{type: out.type})
+
+  defp elementwise_block(%Nx.Block.AllClose{} = o, out, [a, b]) do
+    input_type =
+      if Nx.Type.integer?(a.type) and Nx.Type.integer?(b.type),
+        do: {:f, 64},
+        else: Nx.Type.merge(a.type, b.type)
+
+    attrs = %{input_type: input_type, rtol: o.rtol, atol: o.atol, equal_nan: o.equal_nan, type: out.type}
+    op(out, :all_close, [a, b], attrs)
+  end
+
+  defp elementwise_block(%block{axis: axis, reverse: reverse}, out, [t]) when is_map_key(@cumulative_blocks, block) do
+    op(out, Map.fetch!(@cumulative_blocks, block), [t], %{axis: axis, reverse: reverse, type: out.type})
+  end
+
+  defp elementwise_block(%Nx.Block.TopK{k: k}, {values, indices}, [t]) do
+    [values, indices] = multi_op([values, indices], :top_k, [t], %{k: k, index_type: indices.type})
+    {values, indices}
   end
 
   defp elementwise_block(_struct, _output, _args), do: :default
@@ -207,7 +395,7 @@ defmodule Moat.Backend do
   defp to_binary_backend(list) when is_list(list), do: Enum.map(list, &to_binary_backend/1)
   defp to_binary_backend(other), do: other
 
-  defp from_binary_backend(%T{} = t, opts), do: Nx.backend_transfer(t, __MODULE__, opts)
+  defp from_binary_backend(%T{} = t, opts), do: Nx.backend_transfer(t, {__MODULE__, opts})
 
   defp from_binary_backend(tuple, opts) when is_tuple(tuple),
     do: tuple |> Tuple.to_list() |> Enum.map(&from_binary_backend(&1, opts)) |> List.to_tuple()
@@ -228,14 +416,28 @@ defmodule Moat.Backend do
 
   # Sends one graph-building op and returns `out` bound to its result.
   defp op(%T{} = out, name, inputs, attrs) do
+    [result] = multi_op([out], name, inputs, attrs)
+    result
+  end
+
+  # Sends one graph-building op that defines a tensor per template in `outs`.
+  defp multi_op(outs, name, inputs, attrs) do
     [%T{data: %__MODULE__{ref: first, device: device}} | _] =
       inputs = Enum.map(inputs, &to_moat/1)
 
     conn = Client.conn(first.worker)
     ids = Client.ids!(conn, Enum.map(inputs, &ref/1), name)
+    out_ids = Client.new_ids(length(outs))
+    Client.cast(conn, name, out_ids, ids, attrs)
+    for {out, id} <- Enum.zip(outs, out_ids), do: %{out | data: %__MODULE__{ref: Client.ref(conn, id), device: device}}
+  end
+
+  # Sends one op without inputs (creation) to the worker named in `opts`.
+  defp create(%T{} = out, name, attrs, opts) do
+    conn = Client.conn(worker(opts))
     id = Client.new_id()
-    Client.cast(conn, name, [id], ids, attrs)
-    %{out | data: %__MODULE__{ref: Client.ref(conn, id), device: device}}
+    Client.cast(conn, name, [id], [], attrs)
+    wrap(out, Client.ref(conn, id), opts)
   end
 
   defp to_moat(%T{data: %__MODULE__{}} = t), do: t

@@ -5,6 +5,9 @@ defmodule Moat.NxDoctestTest do
 
   setup do
     Nx.default_backend(Moat.Backend)
+    # Nx's expected output has no backend signature line.
+    Application.put_env(:moat, :inspect_backend, false)
+    on_exit(fn -> Application.delete_env(:moat, :inspect_backend) end)
     :ok
   end
 

@@ -422,6 +422,8 @@ defmodule Moat.Backend do
 
   # Sends one graph-building op that defines a tensor per template in `outs`.
   defp multi_op(outs, name, inputs, attrs) do
+    Enum.each(outs, &Moat.check_type!(&1.type))
+
     [%T{data: %__MODULE__{ref: first, device: device}} | _] =
       inputs = Enum.map(inputs, &to_moat/1)
 

@@ -91,7 +91,6 @@ unary! {
     erf_inv => erfinv,
     bitwise_not => bitwise_invert,
     conjugate => conjugate,
-    sign => sign,
 }
 
 /// `fn name(inputs, attrs)`: the MLX op on the input as it is (the output
@@ -136,6 +135,15 @@ fn round_half_away(x: &Array) -> Result<Array> {
     let dropped = ops::abs(&ops::subtract(x, &t)?)?;
     let half = ops::greater_equal(&dropped, &float_scalar(0.5, x.dtype())?)?;
     ops::where_(&half, &ops::add(&t, &ops::sign(x)?)?, &t)
+}
+
+/// The sign, NaN for NaN (MLX gives 0).
+pub fn sign(x: &[&Array], a: &Term) -> Outputs {
+    let t = to_out_type(x[0], a)?;
+    if !t.dtype().is_float() || is_complex(t.dtype()) {
+        return finish(ops::sign(&t), a);
+    }
+    finish(ops::isnan(&t).and_then(|nan| ops::where_(&nan, &t, &ops::sign(&t)?)), a)
 }
 
 pub fn negate(x: &[&Array], a: &Term) -> Outputs {

@@ -106,20 +106,37 @@ fn last_index(x: &Array, axis: i32, reduce: ArgReduce) -> Result<Array> {
 /// `fn name(inputs, attrs)`: an inclusive scan along `axis` in the output
 /// type, from the end when `reverse`.
 macro_rules! scan {
-    ($($name:ident => $mlx:ident),* $(,)?) => {$(
+    ($($name:ident => $scan:path),* $(,)?) => {$(
         pub fn $name(x: &[&Array], a: &Term) -> Outputs {
             let axis = attrs::int(attrs::field(a, "axis")?)?;
             let reverse = attrs::boolean(attrs::field(a, "reverse")?)?;
-            finish(ops::$mlx(&to_out_type(x[0], a)?, axis, reverse), a)
+            finish($scan(&to_out_type(x[0], a)?, axis, reverse), a)
         }
     )*};
 }
 
 scan! {
-    cumulative_sum => cumsum,
-    cumulative_product => cumprod,
-    cumulative_min => cummin,
-    cumulative_max => cummax,
+    cumulative_sum => ops::cumsum,
+    cumulative_product => ops::cumprod,
+    cumulative_min => cummin_nan_safe,
+    cumulative_max => cummax_nan_safe,
+}
+
+/// MLX's half-precision cummin/cummax turn the NaN they propagate into 0;
+/// f32 holds every f16 and bf16 value, so those scan in f32.
+fn cummin_nan_safe(x: &Array, axis: i32, reverse: bool) -> Result<Array> {
+    in_f32_if_half(x, |x| ops::cummin(x, axis, reverse))
+}
+
+fn cummax_nan_safe(x: &Array, axis: i32, reverse: bool) -> Result<Array> {
+    in_f32_if_half(x, |x| ops::cummax(x, axis, reverse))
+}
+
+fn in_f32_if_half(x: &Array, f: impl Fn(&Array) -> Result<Array>) -> Result<Array> {
+    match x.dtype() {
+        Dtype::F16 | Dtype::Bf16 => ops::astype(&f(&ops::astype(x, Dtype::F32)?)?, x.dtype()),
+        _ => f(x),
+    }
 }
 
 fn descending(a: &Term) -> std::result::Result<bool, String> {

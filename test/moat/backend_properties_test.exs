@@ -87,7 +87,8 @@ defmodule Moat.BackendPropertiesTest do
         check(unquote(name), @cases, fn ->
           type = one_of(float_types())
           t = tensor(shape(), type, range: unquote(Macro.escape(range)), specials: 0.0)
-          same([t], &apply(Nx, unquote(name), [&1]), tolerance: math_tolerance(type))
+          tolerance = if unquote(name) == :erf_inv, do: erf_inv_tolerance(type), else: math_tolerance(type)
+          same([t], &apply(Nx, unquote(name), [&1]), tolerance: tolerance)
         end)
       end
     end
@@ -156,6 +157,10 @@ defmodule Moat.BackendPropertiesTest do
   defp math_tolerance({:f, 64}), do: {1.0e-13, 1.0e-15}
   defp math_tolerance({:f, 32}), do: {1.0e-5, 1.0e-6}
   defp math_tolerance(type), do: tolerance(type)
+
+  # Nx.BinaryBackend's erf_inv is an approximation good to ~3e-8.
+  defp erf_inv_tolerance({:f, 64}), do: {1.0e-7, 1.0e-8}
+  defp erf_inv_tolerance(type), do: math_tolerance(type)
 
   describe "element-wise binary" do
     for name <- [:add, :subtract, :multiply, :min, :max] do

@@ -98,7 +98,8 @@ defmodule Moat.Gen do
       {min, max} = opts[:range] || {-10.0, 10.0}
       x = min + :rand.uniform() * (max - min)
       # Some exact integers and halves, where rounding rules show.
-      half = Float.round(x * 2) / 2
+      # (+ 0.0 turns -0.0 into 0.0: signed zeros have their own cases.)
+      half = Float.round(x * 2) / 2 + 0.0
       if chance(0.2) and half >= min and half <= max, do: half, else: x
     end
   end

@@ -3,7 +3,7 @@
 //! merged input type (attr `input_type`) and yield u8.
 
 use super::convert::{bits, float_scalar, int_scalar, is_complex, is_integer, is_unsigned, nonzero, zero, zeros_like};
-use super::{attrs, finish, to_out_type, Outputs};
+use super::{attrs, finish, precise, to_out_type, Outputs};
 use crate::mlx::{ops, Array, Dtype, Result};
 use crate::term::Term;
 
@@ -68,13 +68,9 @@ macro_rules! unary {
 }
 
 unary! {
-    exp => exp,
     expm1 => expm1,
     log => log,
     log1p => log1p,
-    sigmoid => sigmoid,
-    cos => cos,
-    sin => sin,
     tan => tan,
     cosh => cosh,
     sinh => sinh,
@@ -87,10 +83,31 @@ unary! {
     atanh => arctanh,
     sqrt => sqrt,
     rsqrt => rsqrt,
-    erf => erf,
-    erf_inv => erfinv,
     bitwise_not => bitwise_invert,
     conjugate => conjugate,
+}
+
+/// `fn name(inputs, attrs)`: like `unary!`, but f64 goes through `precise`
+/// (MLX computes these in single precision).
+macro_rules! unary_f64_precise {
+    ($($name:ident => $mlx:ident),* $(,)?) => {$(
+        pub fn $name(x: &[&Array], a: &Term) -> Outputs {
+            let t = to_out_type(x[0], a)?;
+            if t.dtype() == Dtype::F64 {
+                return finish(precise::$name(&t), a);
+            }
+            finish(ops::$mlx(&t), a)
+        }
+    )*};
+}
+
+unary_f64_precise! {
+    exp => exp,
+    sigmoid => sigmoid,
+    cos => cos,
+    sin => sin,
+    erf => erf,
+    erf_inv => erfinv,
 }
 
 /// `fn name(inputs, attrs)`: the MLX op on the input as it is (the output
@@ -188,15 +205,10 @@ pub fn cbrt(x: &[&Array], a: &Term) -> Outputs {
     finish(root(), a)
 }
 
-/// `1 - erf(x)`, in f64 so that the cancellation keeps f32's precision for
-/// moderate x.
+/// erfc in f64 (`1 - erf` would lose the small values), then back.
 pub fn erfc(x: &[&Array], a: &Term) -> Outputs {
     let t = to_out_type(x[0], a)?;
-    let compute = || -> Result<Array> {
-        let wide = ops::astype(&t, Dtype::F64)?;
-        ops::subtract(&float_scalar(1.0, Dtype::F64)?, &ops::erf(&wide)?)
-    };
-    finish(compute(), a)
+    finish(ops::astype(&t, Dtype::F64).and_then(|wide| precise::erfc(&wide)), a)
 }
 
 /// Integer powers wrap like Nx; a negative exponent (which Nx refuses) gives

@@ -14,6 +14,7 @@ mod convert;
 mod creation;
 mod elementwise;
 mod linalg;
+mod precise;
 mod reduction;
 mod shape;
 

@@ -10,10 +10,63 @@ defmodule Moat.Backend do
   chain of ops costs one pipe write each and no round trip until something
   reads values (`Nx.to_binary/1`, `inspect/2`, …).
 
+  Every callback is one op in the worker, which applies Nx's semantics
+  (type promotion, NaN handling, rounding) itself. Tensors from other
+  backends or other workers that meet a Moat tensor in an op are copied into
+  its worker first.
+
   ## Options
 
     * `:device` - `:cpu` (the default, and the only device on Linux CPU builds)
     * `:worker` - the `Moat.Worker` to use (default `Moat.Worker`)
+
+  `inspect/2` shows the backend and device on a first line, like Torchx;
+  `config :moat, inspect_backend: false` leaves it out.
+
+  ## Divergences from Nx.BinaryBackend
+
+    * Types MLX cannot hold raise `ArgumentError` before anything is sent:
+      `{:f, 8}`, `{:f8_e4m3fn, 8}`, `{:s | :u, 2 | 4}` and `{:c, 128}` (so
+      `Nx.conjugate/1` of an f64 tensor raises). `{:f, 64}` is computed on the
+      CPU.
+    * f64 `exp`, `sigmoid`, `sin`, `cos`, `erf`, `erfc` and `erf_inv` are
+      built from MLX primitives that are exact in f64 (MLX's own f64 kernels
+      of these are single precision), within a few ulp of the correctly
+      rounded result; `sin`/`cos` lose accuracy beyond |x| ≈ 10⁶. `erf_inv`
+      is more accurate than Nx.BinaryBackend's approximation (~3e-8).
+      `erfc` is computed in f64 for every float type. Other math follows
+      MLX's kernels: in f32 within ~5e-7 relative of Erlang's `:math`,
+      except `erf` (up to 1e-5).
+    * Where Nx.BinaryBackend has no answer or a wrong one: `tanh` and `erf`
+      of ±inf are ±1 (BinaryBackend: NaN); `sign` of NaN is NaN and of -inf
+      is -1 (BinaryBackend: 1); `ceil`, `floor` and `round` return
+      non-finite values unchanged (BinaryBackend raises).
+    * Integer `pow` with a negative exponent gives the truncated result (1
+      for base 1, ±1 for base -1, else 0); BinaryBackend raises.
+    * Shifts by a negative amount or by the bit width or more shift
+      everything out: 0, or the sign for signed `right_shift`; BinaryBackend
+      raises on negative amounts.
+    * `min`, `max` and comparisons of a u64 with a signed integer run in
+      their merged type, s64 (as compilers do), where BinaryBackend compares
+      the exact integers.
+    * `as_type` from float to integer maps NaN to 0 and ±inf to the type's
+      max/min, and wraps other values like Nx, but values beyond the s64
+      range are unspecified.
+    * A descending `sort` may order -0.0 and 0.0 differently (they compare
+      equal); `argsort` is stable in both directions, as in Nx.
+    * Complex functions follow C99 on signed zeros (`sqrt(-4 - 0i)` is
+      `-2i`); BinaryBackend ignores the sign of a zero imaginary part.
+    * `to_pointer/2` and `from_pointer/5` raise `ArgumentError`: tensor data
+      lives in the worker process, whose addresses mean nothing to the BEAM
+      or to other processes.
+
+  ## Fallbacks
+
+  Creation, conversion, shape and type ops, element-wise ops, reductions,
+  cumulative ops, sorting and the blocks `Nx.Block.LogicalNot`,
+  `Nx.Block.Phase`, `Nx.Block.AllClose`, `Nx.Block.Cumulative*` (any axis,
+  both directions) and `Nx.Block.TopK` all run natively in the worker; none
+  of them falls back to Nx.BinaryBackend.
   """
 
   @behaviour Nx.Backend
@@ -421,18 +474,34 @@ defmodule Moat.Backend do
   end
 
   # Sends one graph-building op that defines a tensor per template in `outs`.
+  # Inputs from other backends or workers are copied into the worker of the
+  # first Moat input; those copies are released once the op holds them.
   defp multi_op(outs, name, inputs, attrs) do
     Enum.each(outs, &Moat.check_type!(&1.type))
-
-    [%T{data: %__MODULE__{ref: first, device: device}} | _] =
-      inputs = Enum.map(inputs, &to_moat/1)
-
-    conn = Client.conn(first.worker)
-    ids = Client.ids!(conn, Enum.map(inputs, &ref/1), name)
+    {worker, device} = home(inputs)
+    moved = Enum.map(inputs, &to_worker(&1, worker))
+    conn = Client.conn(worker)
+    ids = Client.ids!(conn, Enum.map(moved, &ref/1), name)
     out_ids = Client.new_ids(length(outs))
     Client.cast(conn, name, out_ids, ids, attrs)
+
+    case for {m, i} <- Enum.zip(moved, inputs), m != i, do: ref(m).id do
+      [] -> :ok
+      copies -> Client.cast(conn, :release, [], copies, nil)
+    end
+
     for {out, id} <- Enum.zip(outs, out_ids), do: %{out | data: %__MODULE__{ref: Client.ref(conn, id), device: device}}
   end
+
+  defp home(inputs) do
+    case Enum.find(inputs, &match?(%T{data: %__MODULE__{}}, &1)) do
+      %T{data: %__MODULE__{ref: ref, device: device}} -> {ref.worker, device}
+      nil -> {Moat.Worker, :cpu}
+    end
+  end
+
+  defp to_worker(%T{data: %__MODULE__{ref: %Ref{worker: worker}}} = t, worker), do: t
+  defp to_worker(%T{} = t, worker), do: Nx.backend_copy(t, {__MODULE__, worker: worker})
 
   # Sends one op without inputs (creation) to the worker named in `opts`.
   defp create(%T{} = out, name, attrs, opts) do
@@ -441,7 +510,4 @@ defmodule Moat.Backend do
     Client.cast(conn, name, [id], [], attrs)
     wrap(out, Client.ref(conn, id), opts)
   end
-
-  defp to_moat(%T{data: %__MODULE__{}} = t), do: t
-  defp to_moat(%T{} = t), do: Nx.backend_copy(t, __MODULE__)
 end

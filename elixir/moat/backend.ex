@@ -46,6 +46,9 @@ defmodule Moat.Backend do
     * Shifts by a negative amount or by the bit width or more shift
       everything out: 0, or the sign for signed `right_shift`; BinaryBackend
       raises on negative amounts.
+    * Operands of mixed types are converted to the output type before the
+      op, as compilers do: an s64 beyond f16's range is infinite in an f16
+      `divide`, where BinaryBackend divides the exact integer.
     * `min`, `max` and comparisons of a u64 with a signed integer run in
       their merged type, s64 (as compilers do), where BinaryBackend compares
       the exact integers.
@@ -58,7 +61,8 @@ defmodule Moat.Backend do
       `-2i`); BinaryBackend ignores the sign of a zero imaginary part.
     * `to_pointer/2` and `from_pointer/5` raise `ArgumentError`: tensor data
       lives in the worker process, whose addresses mean nothing to the BEAM
-      or to other processes.
+      or to other processes, and a shared-memory IPC segment would outlive
+      the tensor with nothing to release it.
 
   ## Fallbacks
 
@@ -203,19 +207,27 @@ defmodule Moat.Backend do
 
   @impl true
   def to_pointer(%T{}, opts) do
-    mode = Keyword.get(opts, :mode, :local)
+    case Keyword.get(opts, :mode, :local) do
+      :ipc ->
+        raise ArgumentError,
+              "Moat.Backend does not export IPC handles: a shared-memory segment written by the " <>
+                "moat_port worker would outlive the tensor with nothing to release it; copy the data " <>
+                "out with Nx.to_binary/1 instead"
 
-    raise ArgumentError,
-          "Moat.Backend does not support to_pointer (mode: #{inspect(mode)}): tensor data lives in " <>
-            "the moat_port worker process, so a :local pointer would be an address in another " <>
-            "process; copy the data out with Nx.to_binary/1 instead"
+      mode ->
+        raise ArgumentError,
+              "Moat.Backend does not support to_pointer (mode: #{inspect(mode)}): tensor data lives in " <>
+                "the moat_port worker, another OS process, so its address means nothing here; copy " <>
+                "the data out with Nx.to_binary/1 instead"
+    end
   end
 
   @impl true
   def from_pointer(_pointer, _type, _shape, _backend_opts, _opts) do
     raise ArgumentError,
-          "Moat.Backend does not support from_pointer: the moat_port worker cannot adopt memory " <>
-            "of the BEAM or of another process; build the tensor with Nx.from_binary/3 instead"
+          "Moat.Backend does not support from_pointer: the moat_port worker is another OS process " <>
+            "and cannot adopt memory of the BEAM or of a third process; build the tensor with " <>
+            "Nx.from_binary/3 instead"
   end
 
   ## Shape and type

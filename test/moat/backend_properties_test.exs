@@ -5,7 +5,7 @@ defmodule Moat.BackendPropertiesTest do
 
   import Moat.Gen
 
-  @cases 10
+  @cases 25
 
   # Runs `fun` on Nx.BinaryBackend and on Moat.Backend and compares.
   defp same(inputs, fun, opts \\ []) do
@@ -167,12 +167,15 @@ defmodule Moat.BackendPropertiesTest do
       test "#{name} with broadcasting and mixed types" do
         check(unquote(name), @cases, fn ->
           s = shape()
-          a = tensor(s, one_of(real_types()))
-          # u64 with a signed type merges to s64, which cannot hold every u64:
-          # Moat computes in the merged type, Nx.BinaryBackend in exact integers.
-          b_types = if a.type == {:u, 64}, do: real_types() -- Enum.filter(int_types(), &(elem(&1, 0) == :s)), else: real_types()
-          b = tensor(broadcastable(s), one_of(b_types))
-          b = if b.type == {:u, 64} and elem(a.type, 0) == :s, do: Nx.as_type(b, {:u, 32}), else: b
+          {ta, tb} = {one_of(real_types()), one_of(real_types())}
+          # Operands are converted to the output type first (Nx.BinaryBackend
+          # computes on exact values): integers that meet a float stay exact
+          # in bf16, and a u64 never meets a signed type (they merge to s64).
+          tb = if ta == {:u, 64} and elem(tb, 0) == :s, do: {:u, 32}, else: tb
+          ta = if tb == {:u, 64} and elem(ta, 0) == :s, do: {:u, 32}, else: ta
+          range = if Nx.Type.float?(ta) or Nx.Type.float?(tb), do: {-256, 256}
+          a = tensor(s, ta, range: range)
+          b = tensor(broadcastable(s), tb, range: range)
           same(Enum.shuffle([a, b]), &apply(Nx, unquote(name), [&1, &2]))
         end)
       end
@@ -181,12 +184,16 @@ defmodule Moat.BackendPropertiesTest do
     test "divide and atan2" do
       check(:divide, @cases, fn ->
         s = shape()
-        a = tensor(s, one_of(real_types()))
-        b = tensor(broadcastable(s), one_of(real_types()))
+        # Operands are converted to the (float) output type first: integers
+        # stay exact in bf16.
+        a = tensor(s, one_of(real_types()), range: {-256, 256})
+        b = tensor(broadcastable(s), one_of(real_types()), range: {-256, 256})
         # Nx.BinaryBackend raises on division by zero.
         b = Nx.select(Nx.equal(b, 0), Nx.tensor(1, type: b.type, backend: Nx.BinaryBackend), b)
         same([a, b], &Nx.divide/2)
-        same([a, b], &Nx.atan2/2)
+        # Nx.BinaryBackend's atan2 of infinities disagrees with C99 (MLX).
+        finite = fn t -> Nx.select(Nx.is_infinity(t), Nx.tensor(1, type: t.type, backend: Nx.BinaryBackend), t) end
+        same([finite.(a), finite.(b)], &Nx.atan2/2)
       end)
     end
 
@@ -201,7 +208,7 @@ defmodule Moat.BackendPropertiesTest do
           same([a, b], &Nx.pow/2)
         else
           type = one_of(float_types())
-          a = tensor(s, type, range: {0.0, 4.0}, specials: 0.0)
+          a = tensor(s, type, range: {0.1, 4.0}, specials: 0.0)
           b = tensor(broadcastable(s), type, range: {-3.0, 3.0}, specials: 0.0)
           same([a, b], &Nx.pow/2, tolerance: math_tolerance(type))
         end
@@ -320,10 +327,13 @@ defmodule Moat.BackendPropertiesTest do
 
   describe "shape and type" do
     test "as_type between every pair of types, non-finite included" do
-      check(:as_type, 30, fn ->
+      check(:as_type, 80, fn ->
         from = one_of(all_types())
         to = one_of(all_types())
-        t = tensor(shape(), from, range: if(Nx.Type.float?(from), do: {-300.0, 300.0}, else: nil))
+        # Nx.BinaryBackend cannot truncate complex infinities to integers.
+        specials = if from == {:c, 64} and Nx.Type.integer?(to), do: 0.0, else: 0.1
+        range = if Nx.Type.float?(from), do: {-300.0, 300.0}, else: nil
+        t = tensor(shape(), from, range: range, specials: specials)
         same([t], &Nx.as_type(&1, to))
       end)
     end

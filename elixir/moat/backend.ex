@@ -201,8 +201,8 @@ defmodule Moat.Backend do
     {size, n} = {elem(shape, 0), elem(in_shape, 0)}
     leftover = Keyword.get(opts, :leftover, :repeat)
     count = div(n, size) + if(rem(n, size) != 0 and leftover == :repeat, do: 1, else: 0)
-    outs = List.duplicate(out, count)
-    multi_op(outs, :to_batched, [tensor], %{batch_size: size, leftover: leftover})
+    outs = List.to_tuple(List.duplicate(out, count))
+    multi_op(outs, :to_batched, [tensor], %{batch_size: size, leftover: leftover}) |> Tuple.to_list()
   end
 
   @impl true
@@ -401,9 +401,8 @@ defmodule Moat.Backend do
     op(out, Map.fetch!(@cumulative_blocks, block), [t], %{axis: axis, reverse: reverse, type: out.type})
   end
 
-  defp elementwise_block(%Nx.Block.TopK{k: k}, {values, indices}, [t]) do
-    [values, indices] = multi_op([values, indices], :top_k, [t], %{k: k, index_type: indices.type})
-    {values, indices}
+  defp elementwise_block(%Nx.Block.TopK{k: k}, {_, indices} = out, [t]) do
+    multi_op(out, :top_k, [t], %{k: k, index_type: indices.type})
   end
 
   defp elementwise_block(_struct, _output, _args), do: :default
@@ -481,14 +480,16 @@ defmodule Moat.Backend do
 
   # Sends one graph-building op and returns `out` bound to its result.
   defp op(%T{} = out, name, inputs, attrs) do
-    [result] = multi_op([out], name, inputs, attrs)
+    {result} = multi_op({out}, name, inputs, attrs)
     result
   end
 
-  # Sends one graph-building op that defines a tensor per template in `outs`.
-  # Inputs from other backends or workers are copied into the worker of the
-  # first Moat input; those copies are released once the op holds them.
-  defp multi_op(outs, name, inputs, attrs) do
+  # Sends one graph-building op that defines several tensors (a tuple of
+  # templates, in the order the worker returns them). Inputs from other
+  # backends or workers are copied into the worker of the first Moat input;
+  # those copies are released once the op holds them.
+  defp multi_op(outs, name, inputs, attrs) when is_tuple(outs) do
+    outs = Tuple.to_list(outs)
     Enum.each(outs, &Moat.check_type!(&1.type))
     {worker, device} = home(inputs)
     moved = Enum.map(inputs, &to_worker(&1, worker))
@@ -502,7 +503,9 @@ defmodule Moat.Backend do
       copies -> Client.cast(conn, :release, [], copies, nil)
     end
 
-    for {out, id} <- Enum.zip(outs, out_ids), do: %{out | data: %__MODULE__{ref: Client.ref(conn, id), device: device}}
+    outs
+    |> Enum.zip_with(out_ids, &%{&1 | data: %__MODULE__{ref: Client.ref(conn, &2), device: device}})
+    |> List.to_tuple()
   end
 
   defp home(inputs) do

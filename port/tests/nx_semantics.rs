@@ -98,6 +98,19 @@ fn half_precision_cummax_keeps_nan() {
 }
 
 #[test]
+fn half_precision_cumsum_accumulates_in_f32() {
+    let mut w = Worker::start(&[]);
+    // 3000 ones in f16: a running f16 sum would stop at 2048.
+    let bytes: Vec<u8> = std::iter::repeat(0x3c00u16.to_le_bytes()).take(3000).flatten().collect();
+    upload(&mut w, 1, &[3000], "f", 16, bytes);
+    let attrs = map(vec![("axis", Term::int(0)), ("reverse", Term::atom("false")), ("type", ty("f", 16))]);
+    w.request(0, "cumulative_sum", &[2], &[1], attrs);
+    let out = read_bytes(&mut w, 1, 2);
+    // 3000 is exact in f16 (spacing 2 above 2048).
+    assert_eq!(u16::from_le_bytes([out[2 * 2999], out[2 * 2999 + 1]]), 0x69dc);
+}
+
+#[test]
 fn shifts_past_the_width_shift_everything_out() {
     let mut w = Worker::start(&[]);
     let x: Vec<u8> = [1i32, -8, -8, 5].iter().flat_map(|v| v.to_le_bytes()).collect();

@@ -116,19 +116,30 @@ macro_rules! scan {
 }
 
 scan! {
-    cumulative_sum => ops::cumsum,
-    cumulative_product => ops::cumprod,
-    cumulative_min => cummin_nan_safe,
-    cumulative_max => cummax_nan_safe,
+    cumulative_sum => cumsum,
+    cumulative_product => cumprod,
+    cumulative_min => cummin,
+    cumulative_max => cummax,
 }
 
-/// MLX's half-precision cummin/cummax turn the NaN they propagate into 0;
-/// f32 holds every f16 and bf16 value, so those scan in f32.
-fn cummin_nan_safe(x: &Array, axis: i32, reverse: bool) -> Result<Array> {
+// Half-precision scans run in f32, which holds every f16 and bf16 value:
+// MLX accumulates cumsum/cumprod in the half type (a running sum of ones
+// stops at 2048 in f16), and its half cummin/cummax turn the NaN they
+// propagate into 0.
+
+fn cumsum(x: &Array, axis: i32, reverse: bool) -> Result<Array> {
+    in_f32_if_half(x, |x| ops::cumsum(x, axis, reverse))
+}
+
+fn cumprod(x: &Array, axis: i32, reverse: bool) -> Result<Array> {
+    in_f32_if_half(x, |x| ops::cumprod(x, axis, reverse))
+}
+
+fn cummin(x: &Array, axis: i32, reverse: bool) -> Result<Array> {
     in_f32_if_half(x, |x| ops::cummin(x, axis, reverse))
 }
 
-fn cummax_nan_safe(x: &Array, axis: i32, reverse: bool) -> Result<Array> {
+fn cummax(x: &Array, axis: i32, reverse: bool) -> Result<Array> {
     in_f32_if_half(x, |x| ops::cummax(x, axis, reverse))
 }
 

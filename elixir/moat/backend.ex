@@ -10,10 +10,71 @@ defmodule Moat.Backend do
   chain of ops costs one pipe write each and no round trip until something
   reads values (`Nx.to_binary/1`, `inspect/2`, …).
 
+  Every callback is one op in the worker, which applies Nx's semantics
+  (type promotion, NaN handling, rounding) itself. Tensors from other
+  backends or other workers that meet a Moat tensor in an op are copied into
+  its worker first.
+
   ## Options
 
     * `:device` - `:cpu` (the default, and the only device on Linux CPU builds)
     * `:worker` - the `Moat.Worker` to use (default `Moat.Worker`)
+
+  `inspect/2` shows the backend and device on a first line, like Torchx;
+  `config :moat, inspect_backend: false` leaves it out.
+
+  ## Divergences from Nx.BinaryBackend
+
+    * Types MLX cannot hold raise `ArgumentError` before anything is sent:
+      `{:f, 8}`, `{:f8_e4m3fn, 8}`, `{:s | :u, 2 | 4}` and `{:c, 128}` (so
+      `Nx.conjugate/1` of an f64 tensor raises). `{:f, 64}` is computed on the
+      CPU.
+    * f64 `exp`, `sigmoid`, `sin`, `cos`, `erf`, `erfc` and `erf_inv` are
+      built from MLX primitives that are exact in f64 (MLX's own f64 kernels
+      of these are single precision), within a few ulp of the correctly
+      rounded result; `sin`/`cos` lose accuracy beyond |x| ≈ 10⁶. `erf_inv`
+      is more accurate than Nx.BinaryBackend's approximation (~3e-8).
+      `erfc` is computed in f64 for every float type. Other math follows
+      MLX's kernels: in f32 within ~5e-7 relative of Erlang's `:math`,
+      except `erf` (up to 1e-5).
+    * Where Nx.BinaryBackend has no answer or a wrong one: `tanh` and `erf`
+      of ±inf are ±1 (BinaryBackend: NaN); `sign` of NaN is NaN and of -inf
+      is -1 (BinaryBackend: 1); `ceil`, `floor` and `round` return
+      non-finite values unchanged (BinaryBackend raises).
+    * Integer `pow` with a negative exponent gives the truncated result (1
+      for base 1, ±1 for base -1, else 0); BinaryBackend raises.
+    * Shifts by a negative amount or by the bit width or more shift
+      everything out: 0, or the sign for signed `right_shift`; BinaryBackend
+      raises on negative amounts.
+    * Operands of mixed types are converted to the output type before the
+      op, as compilers do: an s64 beyond f16's range is infinite in an f16
+      `divide`, where BinaryBackend divides the exact integer.
+    * `min`, `max` and comparisons of a u64 with a signed integer run in
+      their merged type, s64 (as compilers do), where BinaryBackend compares
+      the exact integers.
+    * `as_type` from float to integer maps NaN to 0 and ±inf to the type's
+      max/min, and wraps other values like Nx, but values beyond the s64
+      range are unspecified.
+    * f32 `sum` accumulates in f32 (MLX's kernel), so long sums carry
+      rounding error that BinaryBackend's exact sum does not (the sum of a
+      1e6-element f32 iota is off by 1.2e-4 relative). f16 and bf16 sums,
+      and cumulative ops on them, accumulate in f32 and round once.
+    * A descending `sort` may order -0.0 and 0.0 differently (they compare
+      equal); `argsort` is stable in both directions, as in Nx.
+    * Complex functions follow C99 on signed zeros (`sqrt(-4 - 0i)` is
+      `-2i`); BinaryBackend ignores the sign of a zero imaginary part.
+    * `to_pointer/2` and `from_pointer/5` raise `ArgumentError`: tensor data
+      lives in the worker process, whose addresses mean nothing to the BEAM
+      or to other processes, and a shared-memory IPC segment would outlive
+      the tensor with nothing to release it.
+
+  ## Fallbacks
+
+  Creation, conversion, shape and type ops, element-wise ops, reductions,
+  cumulative ops, sorting and the blocks `Nx.Block.LogicalNot`,
+  `Nx.Block.Phase`, `Nx.Block.AllClose`, `Nx.Block.Cumulative*` (any axis,
+  both directions) and `Nx.Block.TopK` all run natively in the worker; none
+  of them falls back to Nx.BinaryBackend.
   """
 
   @behaviour Nx.Backend
@@ -46,33 +107,82 @@ defmodule Moat.Backend do
   end
 
   @impl true
-  def constant(%T{shape: shape} = out, number, opts) do
-    scalar = Nx.BinaryBackend.constant(%{out | shape: {}}, number, []) |> Nx.to_binary()
-    from_binary(out, :binary.copy(scalar, Nx.size(shape)), opts)
+  def constant(%T{shape: shape, type: type} = out, number, opts) do
+    value = Nx.BinaryBackend.constant(%{out | shape: {}}, number, []) |> Nx.to_binary()
+    create(out, :constant, %{value: value, shape: Tuple.to_list(shape), type: Moat.check_type!(type)}, opts)
+  end
+
+  @impl true
+  def eye(%T{shape: shape, type: type} = out, opts) do
+    create(out, :eye, %{shape: Tuple.to_list(shape), type: Moat.check_type!(type)}, opts)
+  end
+
+  @impl true
+  def iota(%T{shape: shape, type: type} = out, axis, opts) do
+    create(out, :iota, %{shape: Tuple.to_list(shape), axis: axis, type: Moat.check_type!(type)}, opts)
   end
 
   @impl true
   def to_binary(%T{type: {_, bits}} = tensor, limit) do
-    binary = Moat.to_binary(ref(tensor))
+    binary =
+      if limit < Nx.size(tensor) do
+        # Only the first `limit` elements leave the worker.
+        flat = reshape(%{tensor | shape: {Nx.size(tensor)}}, tensor)
+        head = slice(%{flat | shape: {limit}}, flat, [0], [limit], [1])
+        read_and_release([flat, head])
+      else
+        Moat.to_binary(ref(tensor))
+      end
+
     binary_part(binary, 0, min(byte_size(binary), div(limit * bits, 8)))
   end
 
-  @impl true
-  def inspect(%T{} = tensor, inspect_opts) do
-    limit = if inspect_opts.limit == :infinity, do: :infinity, else: inspect_opts.limit + 1
-    binary = to_binary(tensor, min(limit, Nx.size(tensor)))
-    Nx.Backend.inspect(tensor, binary, inspect_opts)
+  defp read_and_release(tensors) do
+    binary = Moat.to_binary(ref(List.last(tensors)))
+    Enum.each(tensors, &backend_deallocate/1)
+    binary
   end
 
   @impl true
+  def inspect(%T{data: %__MODULE__{device: device}} = tensor, inspect_opts) do
+    limit = if inspect_opts.limit == :infinity, do: :infinity, else: inspect_opts.limit + 1
+    binary = to_binary(tensor, min(limit, Nx.size(tensor)))
+    doc = Nx.Backend.inspect(tensor, binary, inspect_opts)
+
+    # `config :moat, inspect_backend: false` leaves the signature out.
+    if Application.get_env(:moat, :inspect_backend, true) do
+      Inspect.Algebra.concat(["Moat.Backend(#{device})", Inspect.Algebra.line(), doc])
+    else
+      doc
+    end
+  end
+
+  @impl true
+  def backend_copy(%T{} = tensor, __MODULE__, opts) do
+    if worker(opts) == ref(tensor).worker do
+      # MLX arrays are immutable: the copy is a new id for the same array.
+      op(tensor, :copy, [tensor], %{})
+    else
+      from_binary(tensor, Moat.to_binary(ref(tensor)), opts)
+    end
+  end
+
   def backend_copy(tensor, backend, opts) do
     backend.from_binary(tensor, Moat.to_binary(ref(tensor)), opts)
   end
 
   @impl true
-  def backend_transfer(tensor, __MODULE__, _opts), do: tensor
+  def backend_transfer(tensor, __MODULE__, opts) do
+    if worker(opts) == ref(tensor).worker do
+      tensor
+    else
+      transfer(tensor, __MODULE__, opts)
+    end
+  end
 
-  def backend_transfer(tensor, backend, opts) do
+  def backend_transfer(tensor, backend, opts), do: transfer(tensor, backend, opts)
+
+  defp transfer(tensor, backend, opts) do
     result = backend_copy(tensor, backend, opts)
     backend_deallocate(tensor)
     result
@@ -90,41 +200,158 @@ defmodule Moat.Backend do
     end
   end
 
+  @impl true
+  def to_batched(%T{shape: shape} = out, %T{shape: in_shape} = tensor, opts) do
+    {size, n} = {elem(shape, 0), elem(in_shape, 0)}
+    leftover = Keyword.get(opts, :leftover, :repeat)
+    count = div(n, size) + if(rem(n, size) != 0 and leftover == :repeat, do: 1, else: 0)
+    outs = List.to_tuple(List.duplicate(out, count))
+    multi_op(outs, :to_batched, [tensor], %{batch_size: size, leftover: leftover}) |> Tuple.to_list()
+  end
+
+  @impl true
+  def to_pointer(%T{}, opts) do
+    case Keyword.get(opts, :mode, :local) do
+      :ipc ->
+        raise ArgumentError,
+              "Moat.Backend does not export IPC handles: a shared-memory segment written by the " <>
+                "moat_port worker would outlive the tensor with nothing to release it; copy the data " <>
+                "out with Nx.to_binary/1 instead"
+
+      mode ->
+        raise ArgumentError,
+              "Moat.Backend does not support to_pointer (mode: #{inspect(mode)}): tensor data lives in " <>
+                "the moat_port worker, another OS process, so its address means nothing here; copy " <>
+                "the data out with Nx.to_binary/1 instead"
+    end
+  end
+
+  @impl true
+  def from_pointer(_pointer, _type, _shape, _backend_opts, _opts) do
+    raise ArgumentError,
+          "Moat.Backend does not support from_pointer: the moat_port worker is another OS process " <>
+            "and cannot adopt memory of the BEAM or of a third process; build the tensor with " <>
+            "Nx.from_binary/3 instead"
+  end
+
   ## Shape and type
 
   @impl true
   def as_type(%T{type: type} = out, tensor), do: op(out, :astype, [tensor], %{type: Moat.check_type!(type)})
 
   @impl true
+  def bitcast(%T{type: type} = out, tensor), do: op(out, :bitcast, [tensor], %{type: Moat.check_type!(type)})
+
+  @impl true
   def reshape(%T{shape: shape} = out, tensor), do: op(out, :reshape, [tensor], %{shape: Tuple.to_list(shape)})
 
   @impl true
-  def broadcast(%T{shape: shape} = out, %T{shape: in_shape} = tensor, shape, axes) do
-    # Nx maps input axis i to output axis axes[i]; MLX aligns trailing axes,
-    # so first give the input the output's rank with 1s elsewhere.
-    aligned = List.duplicate(1, tuple_size(shape))
+  def squeeze(out, tensor, _axes), do: reshape(out, tensor)
 
-    aligned =
-      Enum.zip(axes, Tuple.to_list(in_shape))
-      |> Enum.reduce(aligned, fn {axis, dim}, acc -> List.replace_at(acc, axis, dim) end)
-
-    reshaped = reshape(%{tensor | shape: List.to_tuple(aligned)}, tensor)
-    op(out, :broadcast_to, [reshaped], %{shape: Tuple.to_list(shape)})
+  @impl true
+  def broadcast(out, tensor, shape, axes) do
+    op(out, :broadcast, [tensor], %{shape: Tuple.to_list(shape), axes: axes})
   end
+
+  @impl true
+  def transpose(out, tensor, axes), do: op(out, :transpose, [tensor], %{axes: axes})
+
+  @impl true
+  def reverse(out, tensor, axes), do: op(out, :reverse, [tensor], %{axes: axes})
+
+  @impl true
+  def pad(out, tensor, pad_value, config) do
+    config = for {low, high, interior} <- config, do: [low, high, interior]
+    op(out, :pad, [tensor, pad_value], %{config: config, type: out.type})
+  end
+
+  @impl true
+  def slice(out, tensor, start, lengths, strides) do
+    op(out, :slice, [tensor], %{start: integers(start), lengths: lengths, strides: strides})
+  end
+
+  @impl true
+  def put_slice(out, tensor, start, slice) do
+    op(out, :put_slice, [tensor, slice], %{start: integers(start), type: out.type})
+  end
+
+  # Start indices may be scalar tensors; reading them is a round trip.
+  defp integers(indices), do: Enum.map(indices, fn i when is_integer(i) -> i; t -> Nx.to_number(t) end)
+
+  @impl true
+  def concatenate(out, tensors, axis), do: op(out, :concatenate, tensors, %{axis: axis, type: out.type})
+
+  @impl true
+  def stack(out, tensors, axis), do: op(out, :stack, tensors, %{axis: axis, type: out.type})
+
+  @impl true
+  def select(out, pred, on_true, on_false), do: op(out, :select, [pred, on_true, on_false], %{type: out.type})
+
+  @impl true
+  def clip(out, tensor, min, max), do: op(out, :clip, [tensor, min, max], %{type: out.type})
 
   ## Element-wise
 
-  for {name, mlx} <- [add: :add, subtract: :subtract, multiply: :multiply, divide: :divide] do
+  # Every one is one worker op of the same name; the worker converts the
+  # inputs to the output type first, as Nx does.
+  @unary_ops [:exp, :expm1, :log, :log1p, :sigmoid, :cos, :sin, :tan, :cosh, :sinh, :tanh] ++
+               [:acos, :asin, :atan, :acosh, :asinh, :atanh, :sqrt, :rsqrt, :cbrt] ++
+               [:erf, :erfc, :erf_inv, :abs, :bitwise_not, :ceil, :conjugate, :floor] ++
+               [:negate, :round, :sign, :real, :imag, :is_nan, :is_infinity]
+
+  for name <- @unary_ops do
     @impl true
-    def unquote(name)(out, a, b), do: op(out, unquote(mlx), [a, b], %{type: out.type})
+    def unquote(name)(out, tensor), do: op(out, unquote(name), [tensor], %{type: out.type})
+  end
+
+  @binary_ops [:add, :subtract, :multiply, :pow, :divide, :atan2, :min, :max] ++
+                [:bitwise_and, :bitwise_or, :bitwise_xor, :left_shift, :right_shift] ++
+                [:logical_and, :logical_or, :logical_xor]
+
+  for name <- @binary_ops do
+    @impl true
+    def unquote(name)(out, a, b), do: op(out, unquote(name), [a, b], %{type: out.type})
+  end
+
+  # Both sides are compared in their merged type; the result is u8.
+  @comparison_ops [:equal, :not_equal, :greater, :less, :greater_equal, :less_equal]
+
+  for name <- @comparison_ops do
+    @impl true
+    def unquote(name)(out, a, b) do
+      op(out, unquote(name), [a, b], %{type: out.type, input_type: Nx.Type.merge(a.type, b.type)})
+    end
   end
 
   ## Reductions, cumulative ops and sorting
 
+  for name <- [:sum, :product, :reduce_max, :reduce_min, :all, :any] do
+    @impl true
+    def unquote(name)(out, tensor, opts), do: op(out, unquote(name), [tensor], reduce_attrs(out, tensor, opts))
+  end
+
+  defp reduce_attrs(out, tensor, opts) do
+    %{axes: opts[:axes] || Nx.axes(tensor), keep_axes: opts[:keep_axes] || false, type: out.type}
+  end
+
+  for name <- [:argmax, :argmin] do
+    @impl true
+    def unquote(name)(out, tensor, opts) do
+      axis = opts[:axis]
+      keep = axis != nil and (opts[:keep_axis] || false)
+      attrs = %{axis: axis, tie_break: opts[:tie_break] || :low, keep_axes: keep, type: out.type}
+      op(out, unquote(name), [tensor], attrs)
+    end
+  end
+
   @impl true
-  def sum(%T{} = out, tensor, opts) do
-    axes = opts[:axes] || Nx.axes(tensor)
-    op(out, :sum, [tensor], %{axes: axes, keep_axes: opts[:keep_axes] || false, type: out.type})
+  def sort(out, tensor, opts) do
+    op(out, :sort, [tensor], %{axis: opts[:axis], direction: opts[:direction] || :asc})
+  end
+
+  @impl true
+  def argsort(out, tensor, opts) do
+    op(out, :argsort, [tensor], %{axis: opts[:axis], direction: opts[:direction] || :asc, type: out.type})
   end
 
   ## Indexing
@@ -151,6 +378,35 @@ defmodule Moat.Backend do
          :default <- indexing_block(struct, output, args) do
       apply(fun, [struct | args])
     end
+  end
+
+  @cumulative_blocks %{
+    Nx.Block.CumulativeSum => :cumulative_sum,
+    Nx.Block.CumulativeProduct => :cumulative_product,
+    Nx.Block.CumulativeMin => :cumulative_min,
+    Nx.Block.CumulativeMax => :cumulative_max
+  }
+
+  defp elementwise_block(%Nx.Block.LogicalNot{}, out, [t]), do: op(out, :logical_not, [t], %{type: out.type})
+
+  defp elementwise_block(%Nx.Block.Phase{}, out, [t]), do: op(out, :phase, [t], %{type: out.type})
+
+  defp elementwise_block(%Nx.Block.AllClose{} = o, out, [a, b]) do
+    input_type =
+      if Nx.Type.integer?(a.type) and Nx.Type.integer?(b.type),
+        do: {:f, 64},
+        else: Nx.Type.merge(a.type, b.type)
+
+    attrs = %{input_type: input_type, rtol: o.rtol, atol: o.atol, equal_nan: o.equal_nan, type: out.type}
+    op(out, :all_close, [a, b], attrs)
+  end
+
+  defp elementwise_block(%block{axis: axis, reverse: reverse}, out, [t]) when is_map_key(@cumulative_blocks, block) do
+    op(out, Map.fetch!(@cumulative_blocks, block), [t], %{axis: axis, reverse: reverse, type: out.type})
+  end
+
+  defp elementwise_block(%Nx.Block.TopK{k: k}, {_, indices} = out, [t]) do
+    multi_op(out, :top_k, [t], %{k: k, index_type: indices.type})
   end
 
   defp elementwise_block(_struct, _output, _args), do: :default
@@ -228,16 +484,49 @@ defmodule Moat.Backend do
 
   # Sends one graph-building op and returns `out` bound to its result.
   defp op(%T{} = out, name, inputs, attrs) do
-    [%T{data: %__MODULE__{ref: first, device: device}} | _] =
-      inputs = Enum.map(inputs, &to_moat/1)
-
-    conn = Client.conn(first.worker)
-    ids = Client.ids!(conn, Enum.map(inputs, &ref/1), name)
-    id = Client.new_id()
-    Client.cast(conn, name, [id], ids, attrs)
-    %{out | data: %__MODULE__{ref: Client.ref(conn, id), device: device}}
+    {result} = multi_op({out}, name, inputs, attrs)
+    result
   end
 
-  defp to_moat(%T{data: %__MODULE__{}} = t), do: t
-  defp to_moat(%T{} = t), do: Nx.backend_copy(t, __MODULE__)
+  # Sends one graph-building op that defines several tensors (a tuple of
+  # templates, in the order the worker returns them). Inputs from other
+  # backends or workers are copied into the worker of the first Moat input;
+  # those copies are released once the op holds them.
+  defp multi_op(outs, name, inputs, attrs) when is_tuple(outs) do
+    outs = Tuple.to_list(outs)
+    Enum.each(outs, &Moat.check_type!(&1.type))
+    {worker, device} = home(inputs)
+    moved = Enum.map(inputs, &to_worker(&1, worker))
+    conn = Client.conn(worker)
+    ids = Client.ids!(conn, Enum.map(moved, &ref/1), name)
+    out_ids = Client.new_ids(length(outs))
+    Client.cast(conn, name, out_ids, ids, attrs)
+
+    case for {m, i} <- Enum.zip(moved, inputs), m != i, do: ref(m).id do
+      [] -> :ok
+      copies -> Client.cast(conn, :release, [], copies, nil)
+    end
+
+    outs
+    |> Enum.zip_with(out_ids, &%{&1 | data: %__MODULE__{ref: Client.ref(conn, &2), device: device}})
+    |> List.to_tuple()
+  end
+
+  defp home(inputs) do
+    case Enum.find(inputs, &match?(%T{data: %__MODULE__{}}, &1)) do
+      %T{data: %__MODULE__{ref: ref, device: device}} -> {ref.worker, device}
+      nil -> {Moat.Worker, :cpu}
+    end
+  end
+
+  defp to_worker(%T{data: %__MODULE__{ref: %Ref{worker: worker}}} = t, worker), do: t
+  defp to_worker(%T{} = t, worker), do: Nx.backend_copy(t, {__MODULE__, worker: worker})
+
+  # Sends one op without inputs (creation) to the worker named in `opts`.
+  defp create(%T{} = out, name, attrs, opts) do
+    conn = Client.conn(worker(opts))
+    id = Client.new_id()
+    Client.cast(conn, name, [id], [], attrs)
+    wrap(out, Client.ref(conn, id), opts)
+  end
 end

@@ -64,16 +64,105 @@ int moat_astype(const moat_array* a, int dtype, moat_array** out);
 int moat_contiguous(const moat_array* a, moat_array** out);
 int moat_reshape(const moat_array* a, const int32_t* shape, size_t ndim, moat_array** out);
 int moat_broadcast_to(const moat_array* a, const int32_t* shape, size_t ndim, moat_array** out);
+int moat_view(const moat_array* a, int dtype, moat_array** out);
+int moat_transpose(const moat_array* a, const int32_t* axes, size_t naxes, moat_array** out);
+int moat_flip(const moat_array* a, const int32_t* axes, size_t naxes, moat_array** out);
+int moat_slice(const moat_array* a, const int32_t* start, const int32_t* stop,
+               const int32_t* strides, size_t ndim, moat_array** out);
+int moat_slice_update(const moat_array* src, const moat_array* update, const int32_t* start,
+                      const int32_t* stop, const int32_t* strides, size_t ndim,
+                      moat_array** out);
+int moat_concatenate(const moat_array* const* arrays, size_t n, int axis, moat_array** out);
+int moat_stack(const moat_array* const* arrays, size_t n, int axis, moat_array** out);
+int moat_where(const moat_array* cond, const moat_array* a, const moat_array* b,
+               moat_array** out);
+
+// -- creation (creation.cpp)
+int moat_full(const int32_t* shape, size_t ndim, const moat_array* value, int dtype,
+              moat_array** out);
+int moat_arange(double start, double stop, double step, int dtype, moat_array** out);
+int moat_eye(int n, int m, int k, int dtype, moat_array** out);
 
 // -- element-wise (elementwise.cpp)
 int moat_add(const moat_array* a, const moat_array* b, moat_array** out);
 int moat_subtract(const moat_array* a, const moat_array* b, moat_array** out);
 int moat_multiply(const moat_array* a, const moat_array* b, moat_array** out);
 int moat_divide(const moat_array* a, const moat_array* b, moat_array** out);
+int moat_power(const moat_array* a, const moat_array* b, moat_array** out);
+int moat_arctan2(const moat_array* a, const moat_array* b, moat_array** out);
+int moat_minimum(const moat_array* a, const moat_array* b, moat_array** out);
+int moat_maximum(const moat_array* a, const moat_array* b, moat_array** out);
+int moat_bitwise_and(const moat_array* a, const moat_array* b, moat_array** out);
+int moat_bitwise_or(const moat_array* a, const moat_array* b, moat_array** out);
+int moat_bitwise_xor(const moat_array* a, const moat_array* b, moat_array** out);
+int moat_left_shift(const moat_array* a, const moat_array* b, moat_array** out);
+int moat_right_shift(const moat_array* a, const moat_array* b, moat_array** out);
+int moat_equal(const moat_array* a, const moat_array* b, moat_array** out);
+int moat_not_equal(const moat_array* a, const moat_array* b, moat_array** out);
+int moat_greater(const moat_array* a, const moat_array* b, moat_array** out);
+int moat_less(const moat_array* a, const moat_array* b, moat_array** out);
+int moat_greater_equal(const moat_array* a, const moat_array* b, moat_array** out);
+int moat_less_equal(const moat_array* a, const moat_array* b, moat_array** out);
+int moat_logical_and(const moat_array* a, const moat_array* b, moat_array** out);
+int moat_logical_or(const moat_array* a, const moat_array* b, moat_array** out);
+int moat_exp(const moat_array* a, moat_array** out);
+int moat_expm1(const moat_array* a, moat_array** out);
+int moat_log(const moat_array* a, moat_array** out);
+int moat_log1p(const moat_array* a, moat_array** out);
+int moat_sigmoid(const moat_array* a, moat_array** out);
+int moat_cos(const moat_array* a, moat_array** out);
+int moat_sin(const moat_array* a, moat_array** out);
+int moat_tan(const moat_array* a, moat_array** out);
+int moat_cosh(const moat_array* a, moat_array** out);
+int moat_sinh(const moat_array* a, moat_array** out);
+int moat_tanh(const moat_array* a, moat_array** out);
+int moat_arccos(const moat_array* a, moat_array** out);
+int moat_arcsin(const moat_array* a, moat_array** out);
+int moat_arctan(const moat_array* a, moat_array** out);
+int moat_arccosh(const moat_array* a, moat_array** out);
+int moat_arcsinh(const moat_array* a, moat_array** out);
+int moat_arctanh(const moat_array* a, moat_array** out);
+int moat_sqrt(const moat_array* a, moat_array** out);
+int moat_rsqrt(const moat_array* a, moat_array** out);
+int moat_erf(const moat_array* a, moat_array** out);
+int moat_erfinv(const moat_array* a, moat_array** out);
+int moat_abs(const moat_array* a, moat_array** out);
+int moat_bitwise_invert(const moat_array* a, moat_array** out);
+int moat_ceil(const moat_array* a, moat_array** out);
+int moat_floor(const moat_array* a, moat_array** out);
+int moat_trunc(const moat_array* a, moat_array** out);
+int moat_conjugate(const moat_array* a, moat_array** out);
+int moat_negative(const moat_array* a, moat_array** out);
+int moat_sign(const moat_array* a, moat_array** out);
+int moat_real(const moat_array* a, moat_array** out);
+int moat_imag(const moat_array* a, moat_array** out);
+int moat_isnan(const moat_array* a, moat_array** out);
+int moat_isinf(const moat_array* a, moat_array** out);
+int moat_logical_not(const moat_array* a, moat_array** out);
 
-// -- reductions (reduction.cpp)
+// -- reductions, cumulative ops and sorting (reduction.cpp)
 int moat_sum(const moat_array* a, const int32_t* axes, size_t naxes, int keepdims,
              moat_array** out);
+int moat_prod(const moat_array* a, const int32_t* axes, size_t naxes, int keepdims,
+              moat_array** out);
+int moat_max(const moat_array* a, const int32_t* axes, size_t naxes, int keepdims,
+              moat_array** out);
+int moat_min(const moat_array* a, const int32_t* axes, size_t naxes, int keepdims,
+              moat_array** out);
+int moat_all(const moat_array* a, const int32_t* axes, size_t naxes, int keepdims,
+              moat_array** out);
+int moat_any(const moat_array* a, const int32_t* axes, size_t naxes, int keepdims,
+              moat_array** out);
+int moat_argmax(const moat_array* a, int axis, int keepdims, moat_array** out);
+int moat_argmin(const moat_array* a, int axis, int keepdims, moat_array** out);
+// Inclusive scans along one axis.
+int moat_cumsum(const moat_array* a, int axis, int reverse, moat_array** out);
+int moat_cumprod(const moat_array* a, int axis, int reverse, moat_array** out);
+int moat_cummax(const moat_array* a, int axis, int reverse, moat_array** out);
+int moat_cummin(const moat_array* a, int axis, int reverse, moat_array** out);
+// Stable, NaN last.
+int moat_sort(const moat_array* a, int axis, moat_array** out);
+int moat_argsort(const moat_array* a, int axis, moat_array** out);
 
 // -- indexing (indexing.cpp)
 

@@ -3,6 +3,13 @@
 
 using namespace moat;
 
+static std::vector<mx::array> to_arrays(const moat_array* const* arrays, size_t n) {
+  std::vector<mx::array> v;
+  v.reserve(n);
+  for (size_t i = 0; i < n; ++i) v.push_back(arr(arrays[i]));
+  return v;
+}
+
 extern "C" {
 
 int moat_astype(const moat_array* a, int dtype, moat_array** out) {
@@ -19,6 +26,47 @@ int moat_reshape(const moat_array* a, const int32_t* shape, size_t ndim, moat_ar
 
 int moat_broadcast_to(const moat_array* a, const int32_t* shape, size_t ndim, moat_array** out) {
   return produce(out, [&] { return mx::broadcast_to(arr(a), to_shape(shape, ndim)); });
+}
+
+int moat_view(const moat_array* a, int dtype, moat_array** out) {
+  return produce(out, [&] { return mx::view(arr(a), to_dtype(dtype)); });
+}
+
+int moat_transpose(const moat_array* a, const int32_t* axes, size_t naxes, moat_array** out) {
+  return produce(out, [&] { return mx::transpose(arr(a), to_axes(axes, naxes)); });
+}
+
+int moat_flip(const moat_array* a, const int32_t* axes, size_t naxes, moat_array** out) {
+  return produce(out, [&] { return mx::flip(arr(a), to_axes(axes, naxes)); });
+}
+
+int moat_slice(const moat_array* a, const int32_t* start, const int32_t* stop,
+               const int32_t* strides, size_t ndim, moat_array** out) {
+  return produce(out, [&] {
+    return mx::slice(arr(a), to_shape(start, ndim), to_shape(stop, ndim), to_shape(strides, ndim));
+  });
+}
+
+int moat_slice_update(const moat_array* src, const moat_array* update, const int32_t* start,
+                      const int32_t* stop, const int32_t* strides, size_t ndim,
+                      moat_array** out) {
+  return produce(out, [&] {
+    return mx::slice_update(arr(src), arr(update), to_shape(start, ndim), to_shape(stop, ndim),
+                            to_shape(strides, ndim));
+  });
+}
+
+int moat_concatenate(const moat_array* const* arrays, size_t n, int axis, moat_array** out) {
+  return produce(out, [&] { return mx::concatenate(to_arrays(arrays, n), axis); });
+}
+
+int moat_stack(const moat_array* const* arrays, size_t n, int axis, moat_array** out) {
+  return produce(out, [&] { return mx::stack(to_arrays(arrays, n), axis); });
+}
+
+int moat_where(const moat_array* cond, const moat_array* a, const moat_array* b,
+               moat_array** out) {
+  return produce(out, [&] { return mx::where(arr(cond), arr(a), arr(b)); });
 }
 
 }  // extern "C"

@@ -50,14 +50,93 @@ extern "C" {
     pub fn moat_contiguous(a: *const moat_array, out: *mut *mut moat_array) -> c_int;
     pub fn moat_reshape(a: *const moat_array, shape: *const i32, ndim: usize, out: *mut *mut moat_array) -> c_int;
     pub fn moat_broadcast_to(a: *const moat_array, shape: *const i32, ndim: usize, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_view(a: *const moat_array, dtype: c_int, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_transpose(a: *const moat_array, axes: *const i32, naxes: usize, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_flip(a: *const moat_array, axes: *const i32, naxes: usize, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_slice(
+        a: *const moat_array,
+        start: *const i32,
+        stop: *const i32,
+        strides: *const i32,
+        ndim: usize,
+        out: *mut *mut moat_array,
+    ) -> c_int;
+    pub fn moat_slice_update(
+        src: *const moat_array,
+        update: *const moat_array,
+        start: *const i32,
+        stop: *const i32,
+        strides: *const i32,
+        ndim: usize,
+        out: *mut *mut moat_array,
+    ) -> c_int;
+    pub fn moat_concatenate(arrays: *const *const moat_array, n: usize, axis: c_int, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_stack(arrays: *const *const moat_array, n: usize, axis: c_int, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_where(cond: *const moat_array, a: *const moat_array, b: *const moat_array, out: *mut *mut moat_array) -> c_int;
+
+    // -- creation
+    pub fn moat_full(shape: *const i32, ndim: usize, value: *const moat_array, dtype: c_int, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_arange(start: f64, stop: f64, step: f64, dtype: c_int, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_eye(n: c_int, m: c_int, k: c_int, dtype: c_int, out: *mut *mut moat_array) -> c_int;
 
     // -- element-wise
     pub fn moat_add(a: *const moat_array, b: *const moat_array, out: *mut *mut moat_array) -> c_int;
     pub fn moat_subtract(a: *const moat_array, b: *const moat_array, out: *mut *mut moat_array) -> c_int;
     pub fn moat_multiply(a: *const moat_array, b: *const moat_array, out: *mut *mut moat_array) -> c_int;
     pub fn moat_divide(a: *const moat_array, b: *const moat_array, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_power(a: *const moat_array, b: *const moat_array, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_arctan2(a: *const moat_array, b: *const moat_array, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_minimum(a: *const moat_array, b: *const moat_array, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_maximum(a: *const moat_array, b: *const moat_array, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_bitwise_and(a: *const moat_array, b: *const moat_array, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_bitwise_or(a: *const moat_array, b: *const moat_array, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_bitwise_xor(a: *const moat_array, b: *const moat_array, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_left_shift(a: *const moat_array, b: *const moat_array, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_right_shift(a: *const moat_array, b: *const moat_array, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_equal(a: *const moat_array, b: *const moat_array, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_not_equal(a: *const moat_array, b: *const moat_array, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_greater(a: *const moat_array, b: *const moat_array, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_less(a: *const moat_array, b: *const moat_array, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_greater_equal(a: *const moat_array, b: *const moat_array, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_less_equal(a: *const moat_array, b: *const moat_array, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_logical_and(a: *const moat_array, b: *const moat_array, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_logical_or(a: *const moat_array, b: *const moat_array, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_exp(a: *const moat_array, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_expm1(a: *const moat_array, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_log(a: *const moat_array, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_log1p(a: *const moat_array, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_sigmoid(a: *const moat_array, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_cos(a: *const moat_array, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_sin(a: *const moat_array, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_tan(a: *const moat_array, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_cosh(a: *const moat_array, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_sinh(a: *const moat_array, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_tanh(a: *const moat_array, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_arccos(a: *const moat_array, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_arcsin(a: *const moat_array, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_arctan(a: *const moat_array, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_arccosh(a: *const moat_array, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_arcsinh(a: *const moat_array, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_arctanh(a: *const moat_array, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_sqrt(a: *const moat_array, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_rsqrt(a: *const moat_array, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_erf(a: *const moat_array, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_erfinv(a: *const moat_array, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_abs(a: *const moat_array, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_bitwise_invert(a: *const moat_array, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_ceil(a: *const moat_array, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_floor(a: *const moat_array, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_trunc(a: *const moat_array, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_conjugate(a: *const moat_array, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_negative(a: *const moat_array, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_sign(a: *const moat_array, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_real(a: *const moat_array, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_imag(a: *const moat_array, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_isnan(a: *const moat_array, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_isinf(a: *const moat_array, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_logical_not(a: *const moat_array, out: *mut *mut moat_array) -> c_int;
 
-    // -- reductions
+    // -- reductions, cumulative ops and sorting
     pub fn moat_sum(
         a: *const moat_array,
         axes: *const i32,
@@ -65,6 +144,19 @@ extern "C" {
         keepdims: c_int,
         out: *mut *mut moat_array,
     ) -> c_int;
+    pub fn moat_prod(a: *const moat_array, axes: *const i32, naxes: usize, keepdims: c_int, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_max(a: *const moat_array, axes: *const i32, naxes: usize, keepdims: c_int, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_min(a: *const moat_array, axes: *const i32, naxes: usize, keepdims: c_int, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_all(a: *const moat_array, axes: *const i32, naxes: usize, keepdims: c_int, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_any(a: *const moat_array, axes: *const i32, naxes: usize, keepdims: c_int, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_argmax(a: *const moat_array, axis: c_int, keepdims: c_int, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_argmin(a: *const moat_array, axis: c_int, keepdims: c_int, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_cumsum(a: *const moat_array, axis: c_int, reverse: c_int, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_cumprod(a: *const moat_array, axis: c_int, reverse: c_int, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_cummax(a: *const moat_array, axis: c_int, reverse: c_int, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_cummin(a: *const moat_array, axis: c_int, reverse: c_int, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_sort(a: *const moat_array, axis: c_int, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_argsort(a: *const moat_array, axis: c_int, out: *mut *mut moat_array) -> c_int;
 
     // -- indexing
 

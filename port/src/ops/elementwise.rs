@@ -1,18 +1,285 @@
 //! Element-wise ops with MLX broadcasting. Arithmetic converts its inputs to
-//! the output type first, as Nx does.
+//! the output type first, as Nx does; comparisons convert both sides to the
+//! merged input type (attr `input_type`) and yield u8.
 
-use super::{finish, to_out_type, Outputs};
-use crate::mlx::{ops, Array};
+use super::convert::{bits, float_scalar, int_scalar, is_complex, is_integer, is_unsigned, nonzero, zero, zeros_like};
+use super::{attrs, finish, precise, to_out_type, Outputs};
+use crate::mlx::{ops, Array, Dtype, Result};
 use crate::term::Term;
 
 /// `fn name(inputs, attrs)`: both inputs to the output type, then the MLX op.
 macro_rules! arithmetic {
-    ($($name:ident),* $(,)?) => {$(
+    ($($name:ident => $mlx:ident),* $(,)?) => {$(
         pub fn $name(x: &[&Array], a: &Term) -> Outputs {
             let (l, r) = (to_out_type(x[0], a)?, to_out_type(x[1], a)?);
-            finish(ops::$name(&l, &r), a)
+            finish(ops::$mlx(&l, &r), a)
         }
     )*};
 }
 
-arithmetic!(add, subtract, multiply, divide);
+arithmetic! {
+    add => add,
+    subtract => subtract,
+    multiply => multiply,
+    divide => divide,
+    atan2 => arctan2,
+    min => minimum,
+    max => maximum,
+    bitwise_and => bitwise_and,
+    bitwise_or => bitwise_or,
+    bitwise_xor => bitwise_xor,
+}
+
+/// `fn name(inputs, attrs)`: both sides in `input_type`, compared.
+macro_rules! comparison {
+    ($($name:ident),* $(,)?) => {$(
+        pub fn $name(x: &[&Array], a: &Term) -> Outputs {
+            let t = attrs::dtype(attrs::field(a, "input_type")?)?;
+            let in_type = |x: &Array| if x.dtype() == t { x.share() } else { ops::astype(x, t) };
+            finish(in_type(x[0]).and_then(|l| ops::$name(&l, &in_type(x[1])?)), a)
+        }
+    )*};
+}
+
+comparison!(equal, not_equal, greater, less, greater_equal, less_equal);
+
+/// `fn name(inputs, attrs)`: both sides tested for non-zero, then combined.
+macro_rules! logical {
+    ($($name:ident => $mlx:ident),* $(,)?) => {$(
+        pub fn $name(x: &[&Array], a: &Term) -> Outputs {
+            finish(nonzero(x[0]).and_then(|l| ops::$mlx(&l, &nonzero(x[1])?)), a)
+        }
+    )*};
+}
+
+logical! {
+    logical_and => logical_and,
+    logical_or => logical_or,
+    logical_xor => not_equal,
+}
+
+/// `fn name(inputs, attrs)`: the input to the output type, then the MLX op.
+macro_rules! unary {
+    ($($name:ident => $mlx:ident),* $(,)?) => {$(
+        pub fn $name(x: &[&Array], a: &Term) -> Outputs {
+            finish(ops::$mlx(&to_out_type(x[0], a)?), a)
+        }
+    )*};
+}
+
+unary! {
+    expm1 => expm1,
+    log => log,
+    log1p => log1p,
+    tan => tan,
+    cosh => cosh,
+    sinh => sinh,
+    tanh => tanh,
+    acos => arccos,
+    asin => arcsin,
+    atan => arctan,
+    acosh => arccosh,
+    asinh => arcsinh,
+    atanh => arctanh,
+    sqrt => sqrt,
+    rsqrt => rsqrt,
+    bitwise_not => bitwise_invert,
+    conjugate => conjugate,
+}
+
+/// `fn name(inputs, attrs)`: like `unary!`, but f64 goes through `precise`
+/// (MLX computes these in single precision).
+macro_rules! unary_f64_precise {
+    ($($name:ident => $mlx:ident),* $(,)?) => {$(
+        pub fn $name(x: &[&Array], a: &Term) -> Outputs {
+            let t = to_out_type(x[0], a)?;
+            if t.dtype() == Dtype::F64 {
+                return finish(precise::$name(&t), a);
+            }
+            finish(ops::$mlx(&t), a)
+        }
+    )*};
+}
+
+unary_f64_precise! {
+    exp => exp,
+    sigmoid => sigmoid,
+    cos => cos,
+    sin => sin,
+    erf => erf,
+    erf_inv => erfinv,
+}
+
+/// `fn name(inputs, attrs)`: the MLX op on the input as it is (the output
+/// type differs: complex abs is real, predicates are u8).
+macro_rules! own_type {
+    ($($name:ident => $mlx:ident),* $(,)?) => {$(
+        pub fn $name(x: &[&Array], a: &Term) -> Outputs {
+            finish(ops::$mlx(x[0]), a)
+        }
+    )*};
+}
+
+own_type! {
+    abs => abs,
+    is_nan => isnan,
+    is_infinity => isinf,
+}
+
+/// `fn name(inputs, attrs)`: an op that leaves integers as they are.
+macro_rules! float_only {
+    ($($name:ident => $f:expr),* $(,)?) => {$(
+        pub fn $name(x: &[&Array], a: &Term) -> Outputs {
+            let t = to_out_type(x[0], a)?;
+            if is_integer(t.dtype()) {
+                return finish(Ok(t), a);
+            }
+            finish($f(&t), a)
+        }
+    )*};
+}
+
+float_only! {
+    ceil => ops::ceil,
+    floor => ops::floor,
+    round => round_half_away,
+}
+
+/// Nx rounds half away from zero (MLX rounds half to even):
+/// `trunc(x)`, moved one away from zero when the dropped part is >= 0.5.
+fn round_half_away(x: &Array) -> Result<Array> {
+    let t = ops::trunc(x)?;
+    let dropped = ops::abs(&ops::subtract(x, &t)?)?;
+    let half = ops::greater_equal(&dropped, &float_scalar(0.5, x.dtype())?)?;
+    ops::where_(&half, &ops::add(&t, &ops::sign(x)?)?, &t)
+}
+
+/// The sign, NaN for NaN (MLX gives 0).
+pub fn sign(x: &[&Array], a: &Term) -> Outputs {
+    let t = to_out_type(x[0], a)?;
+    if !t.dtype().is_float() || is_complex(t.dtype()) {
+        return finish(ops::sign(&t), a);
+    }
+    finish(ops::isnan(&t).and_then(|nan| ops::where_(&nan, &t, &ops::sign(&t)?)), a)
+}
+
+pub fn negate(x: &[&Array], a: &Term) -> Outputs {
+    let t = to_out_type(x[0], a)?;
+    if is_unsigned(t.dtype()) {
+        // Wraps like Nx: -x mod 2^bits.
+        return finish(zero(t.dtype()).and_then(|z| ops::subtract(&z, &t)), a);
+    }
+    finish(ops::negative(&t), a)
+}
+
+pub fn real(x: &[&Array], a: &Term) -> Outputs {
+    if is_complex(x[0].dtype()) {
+        return finish(ops::real(x[0]), a);
+    }
+    finish(x[0].share(), a)
+}
+
+pub fn imag(x: &[&Array], a: &Term) -> Outputs {
+    if is_complex(x[0].dtype()) {
+        return finish(ops::imag(x[0]), a);
+    }
+    finish(zeros_like(x[0]), a)
+}
+
+/// The real cube root, computed in f64 with one Newton step so that exact
+/// cubes come out exact.
+pub fn cbrt(x: &[&Array], a: &Term) -> Outputs {
+    let t = to_out_type(x[0], a)?;
+    if is_complex(t.dtype()) {
+        return finish(float_scalar(1.0 / 3.0, t.dtype()).and_then(|third| ops::power(&t, &third)), a);
+    }
+    let root = || -> Result<Array> {
+        let x = ops::astype(&t, Dtype::F64)?;
+        let third = float_scalar(1.0 / 3.0, Dtype::F64)?;
+        let y = ops::multiply(&ops::sign(&x)?, &ops::power(&ops::abs(&x)?, &third)?)?;
+        let y2 = ops::multiply(&y, &y)?;
+        let step = ops::divide(&ops::subtract(&ops::multiply(&y2, &y)?, &x)?, &ops::multiply(&y2, &float_scalar(3.0, Dtype::F64)?)?)?;
+        let keep = ops::logical_or(&ops::equal(&y, &zero(Dtype::F64)?)?, &ops::isinf(&y)?)?;
+        ops::where_(&keep, &y, &ops::subtract(&y, &step)?)
+    };
+    finish(root(), a)
+}
+
+/// erfc in f64 (`1 - erf` would lose the small values), then back.
+pub fn erfc(x: &[&Array], a: &Term) -> Outputs {
+    let t = to_out_type(x[0], a)?;
+    finish(ops::astype(&t, Dtype::F64).and_then(|wide| precise::erfc(&wide)), a)
+}
+
+/// Integer powers wrap like Nx; a negative exponent (which Nx refuses) gives
+/// the truncated result: 1 for base 1, +-1 for base -1, else 0.
+pub fn pow(x: &[&Array], a: &Term) -> Outputs {
+    let (base, exp) = (to_out_type(x[0], a)?, to_out_type(x[1], a)?);
+    let t = base.dtype();
+    if !is_integer(t) || is_unsigned(t) {
+        return finish(ops::power(&base, &exp), a);
+    }
+    let compute = || -> Result<Array> {
+        let negative = ops::less(&exp, &zero(t)?)?;
+        let safe_exp = ops::where_(&negative, &zero(t)?, &exp)?;
+        let power = ops::power(&base, &safe_exp)?;
+        let (one, minus_one) = (int_scalar(1, t)?, int_scalar(-1, t)?);
+        let odd = ops::not_equal(&ops::bitwise_and(&exp, &one)?, &zero(t)?)?;
+        let of_minus_one = ops::where_(&odd, &minus_one, &one)?;
+        let inverse = ops::where_(
+            &ops::equal(&base, &one)?,
+            &one,
+            &ops::where_(&ops::equal(&base, &minus_one)?, &of_minus_one, &zero(t)?)?,
+        )?;
+        ops::where_(&negative, &inverse, &power)
+    };
+    finish(compute(), a)
+}
+
+/// Shifts by `bits` or more (or by a negative amount) shift everything out,
+/// as Nx's arbitrary-precision shifts do, instead of C++'s undefined result.
+pub fn left_shift(x: &[&Array], a: &Term) -> Outputs {
+    let (l, r) = (to_out_type(x[0], a)?, to_out_type(x[1], a)?);
+    let compute = || -> Result<Array> {
+        let (out_of_range, amount) = shift_amount(&r)?;
+        ops::where_(&out_of_range, &zero(l.dtype())?, &ops::left_shift(&l, &amount)?)
+    };
+    finish(compute(), a)
+}
+
+/// Arithmetic shift for signed types (an oversized shift leaves the sign),
+/// logical for unsigned ones.
+pub fn right_shift(x: &[&Array], a: &Term) -> Outputs {
+    let (l, r) = (to_out_type(x[0], a)?, to_out_type(x[1], a)?);
+    let t = l.dtype();
+    let compute = || -> Result<Array> {
+        let (out_of_range, amount) = shift_amount(&r)?;
+        let shifted_out = if is_unsigned(t) { zero(t)? } else { ops::right_shift(&l, &int_scalar(bits(t) as i128 - 1, t)?)? };
+        ops::where_(&out_of_range, &shifted_out, &ops::right_shift(&l, &amount)?)
+    };
+    finish(compute(), a)
+}
+
+/// Whether each shift amount is outside `0..bits`, and the amount with
+/// those entries replaced by 0.
+fn shift_amount(r: &Array) -> Result<(Array, Array)> {
+    let t = r.dtype();
+    let too_big = ops::greater_equal(r, &int_scalar(bits(t) as i128, t)?)?;
+    let out_of_range = ops::logical_or(&too_big, &ops::less(r, &zero(t)?)?)?;
+    let amount = ops::where_(&out_of_range, &zero(t)?, r)?;
+    Ok((out_of_range, amount))
+}
+
+/// Nx.Block.LogicalNot: `x == 0` as u8.
+pub fn logical_not(x: &[&Array], a: &Term) -> Outputs {
+    finish(zero(x[0].dtype()).and_then(|z| ops::equal(x[0], &z)), a)
+}
+
+/// Nx.Block.Phase: `atan2(imag, real)`; 0 or pi for real inputs.
+pub fn phase(x: &[&Array], a: &Term) -> Outputs {
+    if is_complex(x[0].dtype()) {
+        return finish(ops::imag(x[0]).and_then(|im| ops::arctan2(&im, &ops::real(x[0])?)), a);
+    }
+    let t = to_out_type(x[0], a)?;
+    finish(zeros_like(&t).and_then(|z| ops::arctan2(&z, &t)), a)
+}

@@ -10,8 +10,11 @@
 //! that name the op.
 
 mod attrs;
+mod convert;
+mod creation;
 mod elementwise;
 mod linalg;
+mod precise;
 mod reduction;
 mod shape;
 
@@ -52,17 +55,104 @@ use Arity::{AtLeast, Exactly as N};
 
 /// One entry per op: name, inputs, builder. Grouped by family.
 const TABLE: &[(&str, Arity, Builder)] = &[
+    // creation
+    ("constant", N(0), creation::constant),
+    ("iota", N(0), creation::iota),
+    ("eye", N(0), creation::eye),
     // shape and type
     ("astype", N(1), shape::astype),
     ("reshape", N(1), shape::reshape),
     ("broadcast_to", N(1), shape::broadcast_to),
+    ("bitcast", N(1), shape::bitcast),
+    ("broadcast", N(1), shape::broadcast),
+    ("transpose", N(1), shape::transpose),
+    ("reverse", N(1), shape::reverse),
+    ("slice", N(1), shape::slice),
+    ("put_slice", N(2), shape::put_slice),
+    ("pad", N(2), shape::pad),
+    ("concatenate", AtLeast(1), shape::concatenate),
+    ("stack", AtLeast(1), shape::stack),
+    ("select", N(3), shape::select),
+    ("clip", N(3), shape::clip),
+    ("copy", N(1), shape::copy),
+    ("to_batched", N(1), shape::to_batched),
     // element-wise
     ("add", N(2), elementwise::add),
     ("subtract", N(2), elementwise::subtract),
     ("multiply", N(2), elementwise::multiply),
     ("divide", N(2), elementwise::divide),
-    // reductions
+    ("pow", N(2), elementwise::pow),
+    ("atan2", N(2), elementwise::atan2),
+    ("min", N(2), elementwise::min),
+    ("max", N(2), elementwise::max),
+    ("bitwise_and", N(2), elementwise::bitwise_and),
+    ("bitwise_or", N(2), elementwise::bitwise_or),
+    ("bitwise_xor", N(2), elementwise::bitwise_xor),
+    ("left_shift", N(2), elementwise::left_shift),
+    ("right_shift", N(2), elementwise::right_shift),
+    ("equal", N(2), elementwise::equal),
+    ("not_equal", N(2), elementwise::not_equal),
+    ("greater", N(2), elementwise::greater),
+    ("less", N(2), elementwise::less),
+    ("greater_equal", N(2), elementwise::greater_equal),
+    ("less_equal", N(2), elementwise::less_equal),
+    ("logical_and", N(2), elementwise::logical_and),
+    ("logical_or", N(2), elementwise::logical_or),
+    ("logical_xor", N(2), elementwise::logical_xor),
+    ("exp", N(1), elementwise::exp),
+    ("expm1", N(1), elementwise::expm1),
+    ("log", N(1), elementwise::log),
+    ("log1p", N(1), elementwise::log1p),
+    ("sigmoid", N(1), elementwise::sigmoid),
+    ("cos", N(1), elementwise::cos),
+    ("sin", N(1), elementwise::sin),
+    ("tan", N(1), elementwise::tan),
+    ("cosh", N(1), elementwise::cosh),
+    ("sinh", N(1), elementwise::sinh),
+    ("tanh", N(1), elementwise::tanh),
+    ("acos", N(1), elementwise::acos),
+    ("asin", N(1), elementwise::asin),
+    ("atan", N(1), elementwise::atan),
+    ("acosh", N(1), elementwise::acosh),
+    ("asinh", N(1), elementwise::asinh),
+    ("atanh", N(1), elementwise::atanh),
+    ("sqrt", N(1), elementwise::sqrt),
+    ("rsqrt", N(1), elementwise::rsqrt),
+    ("cbrt", N(1), elementwise::cbrt),
+    ("erf", N(1), elementwise::erf),
+    ("erfc", N(1), elementwise::erfc),
+    ("erf_inv", N(1), elementwise::erf_inv),
+    ("abs", N(1), elementwise::abs),
+    ("bitwise_not", N(1), elementwise::bitwise_not),
+    ("ceil", N(1), elementwise::ceil),
+    ("conjugate", N(1), elementwise::conjugate),
+    ("floor", N(1), elementwise::floor),
+    ("negate", N(1), elementwise::negate),
+    ("round", N(1), elementwise::round),
+    ("sign", N(1), elementwise::sign),
+    ("real", N(1), elementwise::real),
+    ("imag", N(1), elementwise::imag),
+    ("is_nan", N(1), elementwise::is_nan),
+    ("is_infinity", N(1), elementwise::is_infinity),
+    ("logical_not", N(1), elementwise::logical_not),
+    ("phase", N(1), elementwise::phase),
+    // reductions, cumulative ops and sorting
     ("sum", N(1), reduction::sum),
+    ("product", N(1), reduction::product),
+    ("reduce_max", N(1), reduction::reduce_max),
+    ("reduce_min", N(1), reduction::reduce_min),
+    ("all", N(1), reduction::all),
+    ("any", N(1), reduction::any),
+    ("argmax", N(1), reduction::argmax),
+    ("argmin", N(1), reduction::argmin),
+    ("cumulative_sum", N(1), reduction::cumulative_sum),
+    ("cumulative_product", N(1), reduction::cumulative_product),
+    ("cumulative_min", N(1), reduction::cumulative_min),
+    ("cumulative_max", N(1), reduction::cumulative_max),
+    ("sort", N(1), reduction::sort),
+    ("argsort", N(1), reduction::argsort),
+    ("top_k", N(1), reduction::top_k),
+    ("all_close", N(2), reduction::all_close),
     // indexing
     // linear algebra
     ("matmul", N(2), linalg::matmul),

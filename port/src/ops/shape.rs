@@ -1,11 +1,17 @@
 //! Ops that change an array's shape or element type.
 
-use super::{attrs, finish, Outputs};
-use crate::mlx::{ops, Array};
+use super::convert::{cast, nonzero};
+use super::{attrs, finish, to_out_type, Outputs};
+use crate::mlx::{ops, Array, Result};
 use crate::term::Term;
 
 pub fn astype(x: &[&Array], a: &Term) -> Outputs {
-    finish(ops::astype(x[0], attrs::dtype(attrs::field(a, "type")?)?), a)
+    finish(cast(x[0], attrs::dtype(attrs::field(a, "type")?)?), a)
+}
+
+/// The same bytes read as another type of the same width.
+pub fn bitcast(x: &[&Array], a: &Term) -> Outputs {
+    finish(ops::view(x[0], attrs::dtype(attrs::field(a, "type")?)?), a)
 }
 
 pub fn reshape(x: &[&Array], a: &Term) -> Outputs {
@@ -14,4 +20,168 @@ pub fn reshape(x: &[&Array], a: &Term) -> Outputs {
 
 pub fn broadcast_to(x: &[&Array], a: &Term) -> Outputs {
     finish(ops::broadcast_to(x[0], &attrs::ints(attrs::field(a, "shape")?)?), a)
+}
+
+/// Nx's broadcast: input axis `i` becomes output axis `axes[i]`; the other
+/// output axes are new.
+pub fn broadcast(x: &[&Array], a: &Term) -> Outputs {
+    let shape = attrs::ints(attrs::field(a, "shape")?)?;
+    let axes = attrs::ints(attrs::field(a, "axes")?)?;
+    let dims = x[0].shape();
+    if axes.len() != dims.len() {
+        return Err(format!("axes {axes:?} do not name every axis of shape {dims:?}"));
+    }
+    let mut aligned = vec![1; shape.len()];
+    for (axis, dim) in axes.iter().zip(dims) {
+        let slot = usize::try_from(*axis).ok().and_then(|i| aligned.get_mut(i));
+        *slot.ok_or_else(|| format!("axis {axis} is out of range for shape {shape:?}"))? = dim;
+    }
+    finish(ops::reshape(x[0], &aligned).and_then(|r| ops::broadcast_to(&r, &shape)), a)
+}
+
+pub fn transpose(x: &[&Array], a: &Term) -> Outputs {
+    finish(ops::transpose(x[0], &attrs::ints(attrs::field(a, "axes")?)?), a)
+}
+
+pub fn reverse(x: &[&Array], a: &Term) -> Outputs {
+    let axes = attrs::ints(attrs::field(a, "axes")?)?;
+    if axes.is_empty() {
+        return finish(x[0].share(), a);
+    }
+    finish(ops::flip(x[0], &axes), a)
+}
+
+/// Nx's slice: starts are clamped so that a window of `lengths` fits, and
+/// every `strides`-th element of the window is read.
+pub fn slice(x: &[&Array], a: &Term) -> Outputs {
+    let start = attrs::ints(attrs::field(a, "start")?)?;
+    let lengths = attrs::ints(attrs::field(a, "lengths")?)?;
+    let strides = attrs::ints(attrs::field(a, "strides")?)?;
+    let start = clamp_starts(&x[0].shape(), &start, &lengths)?;
+    let stop: Vec<i32> = start.iter().zip(&lengths).map(|(s, l)| s + l).collect();
+    finish(ops::slice(x[0], &start, &stop, &strides), a)
+}
+
+/// Nx's put_slice: `update` written into `x` at clamped starts, both in the
+/// output type.
+pub fn put_slice(x: &[&Array], a: &Term) -> Outputs {
+    let start = attrs::ints(attrs::field(a, "start")?)?;
+    let (src, update) = (to_out_type(x[0], a)?, to_out_type(x[1], a)?);
+    let lengths = update.shape();
+    let start = clamp_starts(&src.shape(), &start, &lengths)?;
+    let stop: Vec<i32> = start.iter().zip(&lengths).map(|(s, l)| s + l).collect();
+    let strides = vec![1; start.len()];
+    finish(ops::slice_update(&src, &update, &start, &stop, &strides), a)
+}
+
+fn clamp_starts(shape: &[i32], start: &[i32], lengths: &[i32]) -> std::result::Result<Vec<i32>, String> {
+    if start.len() != shape.len() || lengths.len() != shape.len() {
+        return Err(format!("start {start:?} and lengths {lengths:?} must have one entry per axis of {shape:?}"));
+    }
+    Ok(shape.iter().zip(start).zip(lengths).map(|((d, s), l)| (*s).max(0).min(d - l)).collect())
+}
+
+/// Nx's pad: per axis `[low, high, interior]`; negative low/high cut.
+pub fn pad(x: &[&Array], a: &Term) -> Outputs {
+    let config = attrs::field(a, "config")?.as_list().ok_or("config must be a list")?;
+    let config = config.iter().map(attrs::ints).collect::<std::result::Result<Vec<_>, _>>()?;
+    let shape = x[0].shape();
+    if config.len() != shape.len() || config.iter().any(|c| c.len() != 3 || c[2] < 0) {
+        return Err(format!("config needs one [low, high, interior >= 0] per axis of {shape:?}"));
+    }
+    let (t, value) = (to_out_type(x[0], a)?, to_out_type(x[1], a)?);
+    finish(pad_array(&t, &value, &config), a)
+}
+
+/// Grows every axis by its positive padding and interior gaps (a filled
+/// array with `x` written in at a stride), then cuts negative padding off.
+fn pad_array(x: &Array, value: &Array, config: &[Vec<i32>]) -> Result<Array> {
+    let shape = x.shape();
+    let mut grown = Vec::new();
+    let (mut start, mut stop, mut strides) = (Vec::new(), Vec::new(), Vec::new());
+    for (n, c) in shape.iter().zip(config) {
+        let (low, high, interior) = (c[0].max(0), c[1].max(0), c[2]);
+        let spread = if *n == 0 { 0 } else { n + (n - 1) * interior };
+        grown.push(low + spread + high);
+        start.push(low);
+        stop.push(low + spread);
+        strides.push(interior + 1);
+    }
+    let filled = ops::full(&grown, value, x.dtype())?;
+    let placed = if x.size() == 0 { filled } else { ops::slice_update(&filled, x, &start, &stop, &strides)? };
+    if config.iter().all(|c| c[0] >= 0 && c[1] >= 0) {
+        return Ok(placed);
+    }
+    let cut_start: Vec<i32> = config.iter().map(|c| (-c[0]).max(0)).collect();
+    let cut_stop: Vec<i32> = grown.iter().zip(config).map(|(g, c)| g - (-c[1]).max(0)).collect();
+    ops::slice(&placed, &cut_start, &cut_stop, &vec![1; grown.len()])
+}
+
+pub fn concatenate(x: &[&Array], a: &Term) -> Outputs {
+    let axis = attrs::int(attrs::field(a, "axis")?)?;
+    let inputs = x.iter().map(|t| to_out_type(t, a)).collect::<std::result::Result<Vec<_>, _>>()?;
+    finish(ops::concatenate(&inputs.iter().collect::<Vec<_>>(), axis), a)
+}
+
+pub fn stack(x: &[&Array], a: &Term) -> Outputs {
+    let axis = attrs::int(attrs::field(a, "axis")?)?;
+    let inputs = x.iter().map(|t| to_out_type(t, a)).collect::<std::result::Result<Vec<_>, _>>()?;
+    finish(ops::stack(&inputs.iter().collect::<Vec<_>>(), axis), a)
+}
+
+/// `on_true` where `pred` is non-zero, else `on_false`, broadcasting.
+pub fn select(x: &[&Array], a: &Term) -> Outputs {
+    let (on_true, on_false) = (to_out_type(x[1], a)?, to_out_type(x[2], a)?);
+    finish(nonzero(x[0]).and_then(|p| ops::where_(&p, &on_true, &on_false)), a)
+}
+
+/// Nx's clip: `x > min ? x : min`, then `< max ? _ : max` (NaN becomes
+/// min, then max if min is not below max).
+pub fn clip(x: &[&Array], a: &Term) -> Outputs {
+    let (t, min, max) = (to_out_type(x[0], a)?, to_out_type(x[1], a)?, to_out_type(x[2], a)?);
+    let clipped = || -> Result<Array> {
+        let low = ops::where_(&ops::greater(&t, &min)?, &t, &min)?;
+        ops::where_(&ops::less(&low, &max)?, &low, &max)
+    };
+    finish(clipped(), a)
+}
+
+/// `x` split along axis 0 into batches of `batch_size`; with
+/// `leftover: :repeat` the last batch wraps around to the start.
+pub fn to_batched(x: &[&Array], a: &Term) -> Outputs {
+    let size = attrs::int(attrs::field(a, "batch_size")?)?;
+    let repeat = attrs::field(a, "leftover")?.is_atom("repeat");
+    let shape = x[0].shape();
+    let Some(&n) = shape.first() else { return Err("cannot batch a scalar".into()) };
+    if size <= 0 {
+        return Err(format!("batch size must be positive, got {size}"));
+    }
+    let batches = |src: &Array, count: i32| -> Result<Vec<Array>> {
+        (0..count)
+            .map(|i| {
+                let mut start = vec![0; shape.len()];
+                let mut stop = shape.clone();
+                start[0] = i * size;
+                stop[0] = (i + 1) * size;
+                ops::slice(src, &start, &stop, &vec![1; shape.len()])
+            })
+            .collect()
+    };
+    let full = n / size;
+    let missing = (size - n % size) % size;
+    let result = if repeat && missing > 0 {
+        let mut head_stop = shape.clone();
+        head_stop[0] = missing;
+        let head = ops::slice(x[0], &vec![0; shape.len()], &head_stop, &vec![1; shape.len()]);
+        head.and_then(|h| ops::concatenate(&[x[0], &h], 0)).and_then(|wrapped| batches(&wrapped, full + 1))
+    } else {
+        batches(x[0], full)
+    };
+    let arrays = result.map_err(|e| e.message)?;
+    arrays.into_iter().map(|b| finish(Ok(b), a).map(|mut v| v.remove(0))).collect()
+}
+
+/// Another handle to the same (immutable) array.
+pub fn copy(x: &[&Array], a: &Term) -> Outputs {
+    finish(x[0].share(), a)
 }

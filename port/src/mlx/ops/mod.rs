@@ -2,11 +2,13 @@
 //! graph nodes; shape and type errors are reported here, kernel errors at
 //! evaluation.
 
+mod creation;
 mod elementwise;
 mod linalg;
 mod reduction;
 mod shape;
 
+pub use creation::*;
 pub use elementwise::*;
 pub use linalg::*;
 pub use reduction::*;
@@ -23,7 +25,6 @@ macro_rules! binary {
 }
 
 /// `fn name(a) -> Result<Array>` over `ffi::moat_name`.
-#[allow(unused_macros)]
 macro_rules! unary {
     ($($name:ident => $ffi:ident),* $(,)?) => {$(
         pub fn $name(a: &Array) -> Result<Array> {
@@ -34,5 +35,4 @@ macro_rules! unary {
 }
 
 pub(crate) use binary;
-#[allow(unused_imports)]
 pub(crate) use unary;

@@ -1,4 +1,4 @@
-use crate::mlx::{ffi, Array, Dtype, Result};
+use crate::mlx::{ffi, Array, Dtype, Error, Result};
 
 pub fn astype(a: &Array, dtype: Dtype) -> Result<Array> {
     // SAFETY: `a` is live for the call.
@@ -18,4 +18,60 @@ pub fn reshape(a: &Array, shape: &[i32]) -> Result<Array> {
 pub fn broadcast_to(a: &Array, shape: &[i32]) -> Result<Array> {
     // SAFETY: `a` is live; `shape` is valid for `shape.len()` elements.
     Array::from_call(|out| unsafe { ffi::moat_broadcast_to(a.raw(), shape.as_ptr(), shape.len(), out) })
+}
+
+/// Reinterprets the bytes as another type of the same width.
+pub fn view(a: &Array, dtype: Dtype) -> Result<Array> {
+    // SAFETY: `a` is live for the call.
+    Array::from_call(|out| unsafe { ffi::moat_view(a.raw(), dtype.code(), out) })
+}
+
+pub fn transpose(a: &Array, axes: &[i32]) -> Result<Array> {
+    // SAFETY: `a` is live; `axes` is valid for `axes.len()` elements.
+    Array::from_call(|out| unsafe { ffi::moat_transpose(a.raw(), axes.as_ptr(), axes.len(), out) })
+}
+
+pub fn flip(a: &Array, axes: &[i32]) -> Result<Array> {
+    // SAFETY: `a` is live; `axes` is valid for `axes.len()` elements.
+    Array::from_call(|out| unsafe { ffi::moat_flip(a.raw(), axes.as_ptr(), axes.len(), out) })
+}
+
+/// `start`, `stop` and `strides` have one entry per axis.
+pub fn slice(a: &Array, start: &[i32], stop: &[i32], strides: &[i32]) -> Result<Array> {
+    let n = start.len();
+    if stop.len() != n || strides.len() != n {
+        return Err(Error::new("slice: start, stop and strides differ in length"));
+    }
+    // SAFETY: `a` is live; the three slices are valid for `n` elements.
+    Array::from_call(|out| unsafe { ffi::moat_slice(a.raw(), start.as_ptr(), stop.as_ptr(), strides.as_ptr(), n, out) })
+}
+
+/// `src` with the strided box `start..stop` replaced by `update`.
+pub fn slice_update(src: &Array, update: &Array, start: &[i32], stop: &[i32], strides: &[i32]) -> Result<Array> {
+    let n = start.len();
+    if stop.len() != n || strides.len() != n {
+        return Err(Error::new("slice_update: start, stop and strides differ in length"));
+    }
+    // SAFETY: both arrays are live; the three slices are valid for `n` elements.
+    Array::from_call(|out| unsafe {
+        ffi::moat_slice_update(src.raw(), update.raw(), start.as_ptr(), stop.as_ptr(), strides.as_ptr(), n, out)
+    })
+}
+
+pub fn concatenate(arrays: &[&Array], axis: i32) -> Result<Array> {
+    let raw: Vec<*const ffi::moat_array> = arrays.iter().map(|a| a.raw() as *const _).collect();
+    // SAFETY: every pointer is a live array borrowed for the call.
+    Array::from_call(|out| unsafe { ffi::moat_concatenate(raw.as_ptr(), raw.len(), axis, out) })
+}
+
+pub fn stack(arrays: &[&Array], axis: i32) -> Result<Array> {
+    let raw: Vec<*const ffi::moat_array> = arrays.iter().map(|a| a.raw() as *const _).collect();
+    // SAFETY: every pointer is a live array borrowed for the call.
+    Array::from_call(|out| unsafe { ffi::moat_stack(raw.as_ptr(), raw.len(), axis, out) })
+}
+
+/// `a` where `cond` holds, else `b` (broadcasting).
+pub fn where_(cond: &Array, a: &Array, b: &Array) -> Result<Array> {
+    // SAFETY: the three arrays are live for the call.
+    Array::from_call(|out| unsafe { ffi::moat_where(cond.raw(), a.raw(), b.raw(), out) })
 }

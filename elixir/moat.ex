@@ -77,7 +77,7 @@ defmodule Moat do
   Options: `:worker` (default `Moat.Worker`).
   """
   @spec from_binary(binary(), tuple() | [non_neg_integer()], Nx.Type.t(), keyword()) :: Ref.t()
-  def from_binary(binary, shape, type, opts \\ []) when is_binary(binary) do
+  def from_binary(binary, shape, type, opts \\ []) when is_bitstring(binary) do
     type = check_type!(type)
     dims = if is_tuple(shape), do: Tuple.to_list(shape), else: shape
     {_, bits} = type

@@ -129,16 +129,146 @@ defmodule Moat.Backend do
 
   ## Indexing
 
+  # Indices are checked in the worker before MLX sees them; out-of-range
+  # indices fail the op (Moat.Error when the result is read), as they raise
+  # in Nx.BinaryBackend.
+
+  @impl true
+  def gather(out, tensor, indices, opts), do: op(out, :gather, [tensor, indices], %{axes: opts[:axes]})
+
+  for name <- [:indexed_add, :indexed_put] do
+    @impl true
+    def unquote(name)(out, target, indices, updates, opts) do
+      op(out, unquote(name), [target, indices, updates], %{axes: opts[:axes], type: out.type})
+    end
+  end
+
+  # Start indices may be scalar tensors (Nx's dynamic slices); the worker
+  # clamps every start into the tensor, as Nx does.
+  @impl true
+  def slice(out, tensor, starts, lengths, strides) do
+    {starts, tensors} = split_starts(starts)
+    attrs = %{starts: starts, lengths: lengths, strides: strides}
+    op(out, :dynamic_slice, [tensor | tensors], attrs)
+  end
+
+  @impl true
+  def put_slice(out, tensor, starts, slice) do
+    {starts, tensors} = split_starts(starts)
+    op(out, :dynamic_put_slice, [tensor, slice | tensors], %{starts: starts, type: out.type})
+  end
+
+  # Integer starts travel as attributes, tensor starts as inputs (nil marks
+  # their places).
+  defp split_starts(starts) do
+    {attrs, tensors} =
+      Enum.map_reduce(starts, [], fn
+        start, acc when is_integer(start) -> {start, acc}
+        %T{} = start, acc -> {nil, [start | acc]}
+      end)
+
+    {attrs, Enum.reverse(tensors)}
+  end
+
   ## Dot, convolution and linear algebra
 
   @impl true
-  def dot(out, a, [1], [], b, [0], []) when tuple_size(a.shape) == 2 and tuple_size(b.shape) == 2 do
-    op(out, :matmul, [a, b], %{type: out.type})
+  def dot(out, a, contract_a, batch_a, b, contract_b, batch_b) do
+    attrs = %{contract_a: contract_a, batch_a: batch_a, contract_b: contract_b, batch_b: batch_b}
+    op(out, :dot, [a, b], Map.put(attrs, :type, out.type))
+  end
+
+  # MLX convolves over 1 to 3 spatial axes.
+  @impl true
+  def conv(out, input, kernel, opts) when tuple_size(input.shape) in 3..5 do
+    keys = [:strides, :input_dilation, :kernel_dilation, :feature_group_size, :batch_group_size] ++
+             [:input_permutation, :kernel_permutation, :output_permutation]
+
+    attrs = opts |> Keyword.take(keys) |> Map.new() |> Map.merge(%{padding: opts[:padding], type: out.type})
+    op(out, :conv, [input, kernel], attrs)
+  end
+
+  def conv(out, input, kernel, opts), do: via_binary(:conv, out, [input, kernel, opts])
+
+  # MLX solves real systems only.
+  @impl true
+  def triangular_solve(%T{type: {:c, _}} = out, a, b, opts), do: via_binary(:triangular_solve, out, [a, b, opts])
+
+  def triangular_solve(out, a, b, opts) do
+    attrs = %{left_side: opts[:left_side], lower: opts[:lower], transform_a: opts[:transform_a]}
+    op(out, :triangular_solve, [a, b], Map.put(attrs, :type, out.type))
   end
 
   ## Windows
 
+  for name <- [:window_sum, :window_product, :window_max, :window_min] do
+    @impl true
+    def unquote(name)(out, tensor, window_dimensions, opts) do
+      op(out, unquote(name), [tensor], window_attrs(out, window_dimensions, opts))
+    end
+  end
+
+  for name <- [:window_scatter_max, :window_scatter_min] do
+    @impl true
+    def unquote(name)(out, tensor, source, init_value, window_dimensions, opts) do
+      attrs = window_attrs(out, window_dimensions, opts)
+      op(out, unquote(name), [tensor, source, init_value], attrs)
+    end
+  end
+
+  defp window_attrs(out, window_dimensions, opts) do
+    %{
+      window_dimensions: Tuple.to_list(window_dimensions),
+      strides: opts[:strides],
+      padding: opts[:padding],
+      window_dilations: opts[:window_dilations] || List.duplicate(1, tuple_size(window_dimensions)),
+      type: out.type
+    }
+  end
+
+  # A user function cannot run in the worker. It runs on Nx.BinaryBackend,
+  # with that as the default backend for the tensors it creates.
+  @impl true
+  def reduce(out, tensor, acc, opts, fun) do
+    Nx.with_default_backend(Nx.BinaryBackend, fn ->
+      via_binary(:reduce, out, [tensor, acc, opts, fun], backend_options(tensor))
+    end)
+  end
+
+  @impl true
+  def window_reduce(out, tensor, acc, window_dimensions, opts, fun) do
+    Nx.with_default_backend(Nx.BinaryBackend, fn ->
+      args = [tensor, acc, window_dimensions, opts, fun]
+      via_binary(:window_reduce, out, args, backend_options(tensor))
+    end)
+  end
+
+  defp backend_options(%T{data: %__MODULE__{ref: ref, device: device}}), do: [worker: ref.worker, device: device]
+  defp backend_options(_tensor), do: []
+
   ## FFT
+
+  for name <- [:fft, :ifft] do
+    @impl true
+    def unquote(name)(out, tensor, opts) do
+      attrs = %{axis: opts[:axis], length: opts[:length], eps: opts[:eps], type: out.type}
+      op(out, unquote(name), [tensor], attrs)
+    end
+  end
+
+  ## Integer division and bit counts
+
+  # Nx's semantics (truncating quotient, remainder with the dividend's sign)
+  # are applied in the worker, which also keeps `MIN / -1` away from MLX.
+  for name <- [:quotient, :remainder] do
+    @impl true
+    def unquote(name)(out, a, b), do: op(out, unquote(name), [a, b], %{type: out.type})
+  end
+
+  for name <- [:population_count, :count_leading_zeros] do
+    @impl true
+    def unquote(name)(out, tensor), do: op(out, unquote(name), [tensor], %{type: out.type})
+  end
 
   ## Blocks
 
@@ -154,6 +284,50 @@ defmodule Moat.Backend do
   end
 
   defp elementwise_block(_struct, _output, _args), do: :default
+
+  alias Nx.Block.LinAlg
+
+  defp indexing_block(%Nx.Block.Take{axis: axis}, out, [tensor, indices]),
+    do: op(out, :take, [tensor, indices], %{axis: axis})
+
+  defp indexing_block(%Nx.Block.TakeAlongAxis{axis: axis}, out, [tensor, indices]),
+    do: op(out, :take_along_axis, [tensor, indices], %{axis: axis})
+
+  # MLX's decompositions are real (f32/f64); complex inputs take Nx's
+  # default implementations (the last clause).
+  defp indexing_block(%LinAlg.QR{mode: mode, eps: eps}, {%T{type: {k, _}} = q, _} = out, [t]) when k != :c,
+    do: multi_op(out, :qr, [t], %{mode: mode, eps: eps, type: q.type})
+
+  defp indexing_block(%LinAlg.Cholesky{}, %T{type: {k, _}} = out, [t]) when k != :c,
+    do: op(out, :cholesky, [t], %{type: out.type})
+
+  defp indexing_block(%LinAlg.Eigh{eps: eps}, {%T{type: {k, _}}, v} = out, [t]) when k != :c,
+    do: multi_op(out, :eigh, [t], %{eps: eps, type: v.type})
+
+  defp indexing_block(%LinAlg.SVD{full_matrices?: full}, {%T{type: {k, _}} = u, _, _} = out, [t])
+       when k != :c,
+       do: multi_op(out, :svd, [t], %{full_matrices: full, type: u.type})
+
+  defp indexing_block(%LinAlg.LU{}, {p, %T{type: {k, _}} = l, _} = out, [t]) when k != :c,
+    do: multi_op(out, :lu, [t], %{p_type: p.type, type: l.type})
+
+  defp indexing_block(%LinAlg.Solve{}, %T{type: {k, _}} = out, [a, b]) when k != :c,
+    do: op(out, :solve, [a, b], %{type: out.type})
+
+  defp indexing_block(%LinAlg.Determinant{}, %T{type: {k, _}} = out, [t]) when k != :c,
+    do: op(out, :determinant, [t], %{type: out.type})
+
+  defp indexing_block(%Nx.Block.FFT2{} = s, out, [t]),
+    do: op(out, :fft2, [t], %{axes: s.axes, lengths: s.lengths, eps: s.eps, type: out.type})
+
+  defp indexing_block(%Nx.Block.IFFT2{} = s, out, [t]),
+    do: op(out, :ifft2, [t], %{axes: s.axes, lengths: s.lengths, eps: s.eps, type: out.type})
+
+  defp indexing_block(%Nx.Block.RFFT{} = s, out, [t]),
+    do: op(out, :rfft, [t], %{axis: s.axis, length: s.length, eps: s.eps, type: out.type})
+
+  defp indexing_block(%Nx.Block.IRFFT{} = s, out, [t]),
+    do: op(out, :irfft, [t], %{axis: s.axis, length: s.length, eps: s.eps, type: out.type})
 
   defp indexing_block(_struct, _output, _args), do: :default
 
@@ -207,7 +381,7 @@ defmodule Moat.Backend do
   defp to_binary_backend(list) when is_list(list), do: Enum.map(list, &to_binary_backend/1)
   defp to_binary_backend(other), do: other
 
-  defp from_binary_backend(%T{} = t, opts), do: Nx.backend_transfer(t, __MODULE__, opts)
+  defp from_binary_backend(%T{} = t, opts), do: Nx.backend_transfer(t, {__MODULE__, opts})
 
   defp from_binary_backend(tuple, opts) when is_tuple(tuple),
     do: tuple |> Tuple.to_list() |> Enum.map(&from_binary_backend(&1, opts)) |> List.to_tuple()
@@ -236,6 +410,23 @@ defmodule Moat.Backend do
     id = Client.new_id()
     Client.cast(conn, name, [id], ids, attrs)
     %{out | data: %__MODULE__{ref: Client.ref(conn, id), device: device}}
+  end
+
+  # Sends one graph-building op that defines several tensors (a tuple of
+  # outputs, in the order the worker returns them).
+  defp multi_op(outs, name, inputs, attrs) when is_tuple(outs) do
+    [%T{data: %__MODULE__{ref: first, device: device}} | _] =
+      inputs = Enum.map(inputs, &to_moat/1)
+
+    conn = Client.conn(first.worker)
+    ids = Client.ids!(conn, Enum.map(inputs, &ref/1), name)
+    out_ids = Client.new_ids(tuple_size(outs))
+    Client.cast(conn, name, out_ids, ids, attrs)
+
+    outs
+    |> Tuple.to_list()
+    |> Enum.zip_with(out_ids, &%{&1 | data: %__MODULE__{ref: Client.ref(conn, &2), device: device}})
+    |> List.to_tuple()
   end
 
   defp to_moat(%T{data: %__MODULE__{}} = t), do: t

@@ -14,6 +14,10 @@ defmodule Moat.NxDoctestTest do
   # Indexing, dot/conv, linear algebra, windows, FFT.
   @excluded_indexing []
 
+  # Nx.LinAlg.
+  @excluded_linalg []
+
   @moduletag :nx_doctest
   doctest Nx, except: @excluded_elementwise ++ @excluded_indexing
+  doctest Nx.LinAlg, except: @excluded_linalg
 end

@@ -50,12 +50,54 @@ extern "C" {
     pub fn moat_contiguous(a: *const moat_array, out: *mut *mut moat_array) -> c_int;
     pub fn moat_reshape(a: *const moat_array, shape: *const i32, ndim: usize, out: *mut *mut moat_array) -> c_int;
     pub fn moat_broadcast_to(a: *const moat_array, shape: *const i32, ndim: usize, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_transpose(a: *const moat_array, axes: *const i32, naxes: usize, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_slice(
+        a: *const moat_array,
+        start: *const i32,
+        stop: *const i32,
+        strides: *const i32,
+        ndim: usize,
+        out: *mut *mut moat_array,
+    ) -> c_int;
+    pub fn moat_pad(a: *const moat_array, low: *const i32, high: *const i32, ndim: usize, value: *const moat_array, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_concatenate(arrays: *const *const moat_array, n: usize, axis: c_int, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_as_strided(
+        a: *const moat_array,
+        shape: *const i32,
+        strides: *const i64,
+        ndim: usize,
+        offset: usize,
+        out: *mut *mut moat_array,
+    ) -> c_int;
+    pub fn moat_view(a: *const moat_array, dtype: c_int, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_where(cond: *const moat_array, a: *const moat_array, b: *const moat_array, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_tril(a: *const moat_array, k: c_int, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_triu(a: *const moat_array, k: c_int, out: *mut *mut moat_array) -> c_int;
 
     // -- element-wise
     pub fn moat_add(a: *const moat_array, b: *const moat_array, out: *mut *mut moat_array) -> c_int;
     pub fn moat_subtract(a: *const moat_array, b: *const moat_array, out: *mut *mut moat_array) -> c_int;
     pub fn moat_multiply(a: *const moat_array, b: *const moat_array, out: *mut *mut moat_array) -> c_int;
     pub fn moat_divide(a: *const moat_array, b: *const moat_array, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_floor_divide(a: *const moat_array, b: *const moat_array, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_remainder(a: *const moat_array, b: *const moat_array, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_maximum(a: *const moat_array, b: *const moat_array, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_minimum(a: *const moat_array, b: *const moat_array, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_equal(a: *const moat_array, b: *const moat_array, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_not_equal(a: *const moat_array, b: *const moat_array, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_less(a: *const moat_array, b: *const moat_array, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_greater(a: *const moat_array, b: *const moat_array, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_logical_and(a: *const moat_array, b: *const moat_array, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_logical_or(a: *const moat_array, b: *const moat_array, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_bitwise_and(a: *const moat_array, b: *const moat_array, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_bitwise_or(a: *const moat_array, b: *const moat_array, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_right_shift(a: *const moat_array, b: *const moat_array, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_left_shift(a: *const moat_array, b: *const moat_array, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_negative(a: *const moat_array, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_logical_not(a: *const moat_array, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_isfinite(a: *const moat_array, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_real(a: *const moat_array, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_imag(a: *const moat_array, out: *mut *mut moat_array) -> c_int;
 
     // -- reductions
     pub fn moat_sum(
@@ -65,13 +107,64 @@ extern "C" {
         keepdims: c_int,
         out: *mut *mut moat_array,
     ) -> c_int;
+    pub fn moat_prod(a: *const moat_array, axes: *const i32, naxes: usize, keepdims: c_int, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_max(a: *const moat_array, axes: *const i32, naxes: usize, keepdims: c_int, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_min(a: *const moat_array, axes: *const i32, naxes: usize, keepdims: c_int, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_any(a: *const moat_array, axes: *const i32, naxes: usize, keepdims: c_int, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_argmax(a: *const moat_array, axis: c_int, keepdims: c_int, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_argmin(a: *const moat_array, axis: c_int, keepdims: c_int, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_argsort(a: *const moat_array, axis: c_int, out: *mut *mut moat_array) -> c_int;
 
     // -- indexing
+    pub fn moat_take(a: *const moat_array, indices: *const moat_array, axis: c_int, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_take_along_axis(a: *const moat_array, indices: *const moat_array, axis: c_int, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_scatter(a: *const moat_array, indices: *const moat_array, updates: *const moat_array, axis: c_int, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_scatter_add(a: *const moat_array, indices: *const moat_array, updates: *const moat_array, axis: c_int, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_slice_dynamic(
+        a: *const moat_array,
+        start: *const moat_array,
+        axes: *const i32,
+        sizes: *const i32,
+        n: usize,
+        out: *mut *mut moat_array,
+    ) -> c_int;
+    pub fn moat_slice_update_dynamic(
+        src: *const moat_array,
+        update: *const moat_array,
+        start: *const moat_array,
+        axes: *const i32,
+        n: usize,
+        out: *mut *mut moat_array,
+    ) -> c_int;
 
     // -- linear algebra
     pub fn moat_matmul(a: *const moat_array, b: *const moat_array, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_qr(a: *const moat_array, outs: *mut *mut moat_array) -> c_int;
+    pub fn moat_svd(a: *const moat_array, outs: *mut *mut moat_array) -> c_int;
+    pub fn moat_eigh(a: *const moat_array, outs: *mut *mut moat_array) -> c_int;
+    pub fn moat_lu(a: *const moat_array, outs: *mut *mut moat_array) -> c_int;
+    pub fn moat_cholesky(a: *const moat_array, upper: c_int, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_solve(a: *const moat_array, b: *const moat_array, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_solve_triangular(a: *const moat_array, b: *const moat_array, upper: c_int, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_inv(a: *const moat_array, out: *mut *mut moat_array) -> c_int;
 
     // -- windows and convolution
+    pub fn moat_conv_general(
+        input: *const moat_array,
+        weight: *const moat_array,
+        strides: *const i32,
+        pad_lo: *const i32,
+        pad_hi: *const i32,
+        kernel_dilation: *const i32,
+        input_dilation: *const i32,
+        n: usize,
+        groups: c_int,
+        out: *mut *mut moat_array,
+    ) -> c_int;
 
     // -- fft
+    pub fn moat_fftn(a: *const moat_array, n: *const i32, axes: *const i32, k: usize, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_ifftn(a: *const moat_array, n: *const i32, axes: *const i32, k: usize, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_rfftn(a: *const moat_array, n: *const i32, axes: *const i32, k: usize, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_irfftn(a: *const moat_array, n: *const i32, axes: *const i32, k: usize, out: *mut *mut moat_array) -> c_int;
 }

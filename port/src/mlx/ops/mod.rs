@@ -3,14 +3,20 @@
 //! evaluation.
 
 mod elementwise;
+mod fft;
+mod indexing;
 mod linalg;
 mod reduction;
 mod shape;
+mod window;
 
 pub use elementwise::*;
+pub use fft::*;
+pub use indexing::*;
 pub use linalg::*;
 pub use reduction::*;
 pub use shape::*;
+pub use window::*;
 
 /// `fn name(a, b) -> Result<Array>` over `ffi::moat_name`.
 macro_rules! binary {
@@ -23,7 +29,6 @@ macro_rules! binary {
 }
 
 /// `fn name(a) -> Result<Array>` over `ffi::moat_name`.
-#[allow(unused_macros)]
 macro_rules! unary {
     ($($name:ident => $ffi:ident),* $(,)?) => {$(
         pub fn $name(a: &Array) -> Result<Array> {
@@ -34,5 +39,4 @@ macro_rules! unary {
 }
 
 pub(crate) use binary;
-#[allow(unused_imports)]
 pub(crate) use unary;

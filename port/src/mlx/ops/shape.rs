@@ -1,4 +1,4 @@
-use crate::mlx::{ffi, Array, Dtype, Result};
+use crate::mlx::{ffi, Array, Dtype, Error, Result};
 
 pub fn astype(a: &Array, dtype: Dtype) -> Result<Array> {
     // SAFETY: `a` is live for the call.
@@ -18,4 +18,68 @@ pub fn reshape(a: &Array, shape: &[i32]) -> Result<Array> {
 pub fn broadcast_to(a: &Array, shape: &[i32]) -> Result<Array> {
     // SAFETY: `a` is live; `shape` is valid for `shape.len()` elements.
     Array::from_call(|out| unsafe { ffi::moat_broadcast_to(a.raw(), shape.as_ptr(), shape.len(), out) })
+}
+
+pub fn transpose(a: &Array, axes: &[i32]) -> Result<Array> {
+    // SAFETY: `a` is live; `axes` is valid for `axes.len()` elements.
+    Array::from_call(|out| unsafe { ffi::moat_transpose(a.raw(), axes.as_ptr(), axes.len(), out) })
+}
+
+/// `a[start:stop:strides]` on every axis; the three slices have `a`'s rank.
+pub fn slice(a: &Array, start: &[i32], stop: &[i32], strides: &[i32]) -> Result<Array> {
+    let n = start.len();
+    if stop.len() != n || strides.len() != n {
+        return Err(Error::new("slice: start, stop and strides differ in length"));
+    }
+    // SAFETY: `a` is live; the three slices hold `n` elements each.
+    Array::from_call(|out| unsafe {
+        ffi::moat_slice(a.raw(), start.as_ptr(), stop.as_ptr(), strides.as_ptr(), n, out)
+    })
+}
+
+/// Pads every axis with `low[i]`/`high[i]` copies of the scalar `value`.
+pub fn pad(a: &Array, low: &[i32], high: &[i32], value: &Array) -> Result<Array> {
+    if low.len() != high.len() {
+        return Err(Error::new("pad: low and high differ in length"));
+    }
+    // SAFETY: `a` and `value` are live; `low` and `high` hold `low.len()` elements.
+    Array::from_call(|out| unsafe { ffi::moat_pad(a.raw(), low.as_ptr(), high.as_ptr(), low.len(), value.raw(), out) })
+}
+
+pub fn concatenate(arrays: &[&Array], axis: i32) -> Result<Array> {
+    let raw: Vec<*const ffi::moat_array> = arrays.iter().map(|a| a.raw() as *const _).collect();
+    // SAFETY: every pointer is a live array borrowed for the call.
+    Array::from_call(|out| unsafe { ffi::moat_concatenate(raw.as_ptr(), raw.len(), axis, out) })
+}
+
+/// A view of `a`'s row-major elements with the given shape and element strides.
+pub fn as_strided(a: &Array, shape: &[i32], strides: &[i64], offset: usize) -> Result<Array> {
+    if shape.len() != strides.len() {
+        return Err(Error::new("as_strided: shape and strides differ in length"));
+    }
+    // SAFETY: `a` is live; `shape` and `strides` hold `shape.len()` elements.
+    Array::from_call(|out| unsafe {
+        ffi::moat_as_strided(a.raw(), shape.as_ptr(), strides.as_ptr(), shape.len(), offset, out)
+    })
+}
+
+/// The same bytes read as another element type.
+pub fn view(a: &Array, dtype: Dtype) -> Result<Array> {
+    // SAFETY: `a` is live for the call.
+    Array::from_call(|out| unsafe { ffi::moat_view(a.raw(), dtype.code(), out) })
+}
+
+pub fn where_(cond: &Array, a: &Array, b: &Array) -> Result<Array> {
+    // SAFETY: the three inputs are live arrays borrowed for the call.
+    Array::from_call(|out| unsafe { ffi::moat_where(cond.raw(), a.raw(), b.raw(), out) })
+}
+
+pub fn tril(a: &Array, k: i32) -> Result<Array> {
+    // SAFETY: `a` is live for the call.
+    Array::from_call(|out| unsafe { ffi::moat_tril(a.raw(), k, out) })
+}
+
+pub fn triu(a: &Array, k: i32) -> Result<Array> {
+    // SAFETY: `a` is live for the call.
+    Array::from_call(|out| unsafe { ffi::moat_triu(a.raw(), k, out) })
 }

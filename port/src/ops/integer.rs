@@ -4,8 +4,9 @@
 //! the dividend; MLX floors and takes the sign of the divisor, so both are
 //! corrected here. MLX's integer division traps (SIGFPE) on `MIN / -1`, so a
 //! divisor of -1 never reaches it: `x / -1` is `-x` (wrapping, as Nx writes
-//! the out-of-range result) and `x rem -1` is 0. Division by zero gives 0
-//! (quotient) and the dividend (remainder), where Nx.BinaryBackend raises.
+//! the out-of-range result) and `x rem -1` is 0. An integer divisor of zero
+//! fails the op, as it raises in Nx.BinaryBackend (the divisor is evaluated
+//! to check); float remainders by zero are NaN, as in IEEE 754.
 
 use super::compose::{bits_const, int_const, is_integer, is_signed, unsigned};
 use super::{finish, to_out_type, Outputs};
@@ -18,6 +19,7 @@ pub fn quotient(x: &[&Array], a: &Term) -> Outputs {
     if !is_integer(dtype) {
         return Err(format!("quotient needs integer types, got {:?}", dtype.nx()));
     }
+    check_divisor(&r)?;
     if !is_signed(dtype) {
         return finish(ops::floor_divide(&l, &r), a);
     }
@@ -31,8 +33,6 @@ pub fn quotient(x: &[&Array], a: &Term) -> Outputs {
     let signs_differ = ops::not_equal(&ops::less(&l, &zero)?, &ops::less(&divisor, &zero)?)?;
     let correction = ops::astype(&ops::logical_and(&inexact, &signs_differ)?, dtype)?;
     let truncated = ops::add(&floor, &correction)?;
-    let by_zero = ops::equal(&r, &zero)?;
-    let truncated = ops::where_(&by_zero, &zero, &truncated)?;
     finish(ops::where_(&minus_one, &ops::negative(&l)?, &truncated), a)
 }
 
@@ -45,6 +45,7 @@ pub fn remainder(x: &[&Array], a: &Term) -> Outputs {
     if dtype.is_float() {
         return finish(float_remainder(&l, &r), a);
     }
+    check_divisor(&r)?;
     if !is_signed(dtype) {
         return finish(ops::remainder(&l, &r), a);
     }
@@ -58,6 +59,18 @@ pub fn remainder(x: &[&Array], a: &Term) -> Outputs {
     let fix = ops::logical_and(&nonzero, &wrong_sign)?;
     let truncated = ops::where_(&fix, &ops::subtract(&floored, &divisor)?, &floored)?;
     finish(ops::where_(&minus_one, &zero, &truncated), a)
+}
+
+/// Fails when an integer divisor holds a zero (MLX would return 0 or the
+/// dividend).
+fn check_divisor(divisor: &Array) -> std::result::Result<(), String> {
+    let all: Vec<i32> = (0..divisor.shape().len() as i32).collect();
+    let zero = ops::any(&ops::equal(divisor, &int_const(0, divisor.dtype())?)?, &all, false)?;
+    let zero = ops::astype(&zero, Dtype::U8)?.evaluate()?;
+    match zero.values::<u8>() {
+        Some([0]) | Some([]) => Ok(()),
+        _ => Err("division by zero".into()),
+    }
 }
 
 /// C's fmod, exactly: `fmod(a, b) = sign(a) * fmod(|a|, |b|)`, and on

@@ -41,7 +41,12 @@ pub fn dot(x: &[&Array], a: &Term) -> Outputs {
     let (b, m, k, n) = (size(&batch)?, size(&m_dims)?, size(&k_dims)?, size(&n_dims)?);
     let l3 = ops::reshape(&ops::transpose(&l, &[ba, fa, ca].concat())?, &[b, m, k])?;
     let r3 = ops::reshape(&ops::transpose(&r, &[bb, cb, fb].concat())?, &[b, k, n])?;
-    let product = if is_integer(l.dtype()) { exact_int_matmul(&l3, &r3, k)? } else { ops::matmul(&l3, &r3)? };
+    let product = match l.dtype() {
+        t if is_integer(t) => exact_int_matmul(&l3, &r3, k)?,
+        // Half floats accumulate in f32 and round once, as Nx's do.
+        Dtype::F16 | Dtype::Bf16 => ops::matmul(&ops::astype(&l3, Dtype::F32)?, &ops::astype(&r3, Dtype::F32)?)?,
+        _ => ops::matmul(&l3, &r3)?,
+    };
     finish(ops::reshape(&product, &[batch, m_dims, n_dims].concat()), a)
 }
 
@@ -140,10 +145,11 @@ pub fn qr(x: &[&Array], a: &Term) -> Outputs {
     let (m, n) = matrix_dims(&shape)?;
     let k = m.min(n);
     let (q, r) = if complete && m > n {
-        // The reduced QR of [a | I] is a's complete QR: its first n columns
-        // are reflected exactly as a's, and the rest complete the basis.
-        let eye = ops::broadcast_to(&eye(m, work)?, &[&shape[..shape.len() - 2], &[m, m]].concat())?;
-        let [q, r] = ops::qr(&ops::concatenate(&[&am, &eye], -1)?)?;
+        // The QR of [a | 0] (square) is a's complete QR: its first n columns
+        // are reflected exactly as a's and the zero columns need no
+        // reflection, so q is the product of a's n reflections, as in Nx.
+        let zeros = ops::broadcast_to(&float_const(0.0, work)?, &[&shape[..shape.len() - 2], &[m, m - n]].concat())?;
+        let [q, r] = ops::qr(&ops::concatenate(&[&am, &zeros], -1)?)?;
         (q, take_last(&r, -1, 0, n)?)
     } else {
         let [q, r] = ops::qr(&am)?;
@@ -159,19 +165,26 @@ pub fn qr(x: &[&Array], a: &Term) -> Outputs {
 
 /// ±1 per diagonal entry of r, flipping where LAPACK's reflection left it
 /// negative. Nx (like LAPACK) does not reflect a column whose entries below
-/// the diagonal are already zero, which holds for the leading columns of a
-/// matrix that starts upper triangular, and for the last column when m <= n.
+/// the diagonal are already zero, as in the leading columns of a matrix that
+/// starts upper triangular; those keep their sign. Nor does either reflect
+/// the last column when m <= n: there q is square and both are products of
+/// the same number of reflections (same determinant), so the signs multiply
+/// to 1 and the last one follows from the others.
 fn reflection_signs(am: &Array, r: &Array, m: i32, k: i32) -> Result<Array> {
     let work = am.dtype();
     let zero = float_const(0.0, work)?;
     let below = ops::tril(&take_last(am, -1, 0, k)?, -1)?;
     let column_nonzero = ops::any(&ops::not_equal(&below, &zero)?, &[-2], false)?;
     let reflected = cumulative_any(&column_nonzero)?;
-    let last_unreflected: Vec<u8> = (0..k).map(|i| (i == m - 1) as u8).collect();
-    let skip = ops::astype(&Array::from_values(&last_unreflected, &[k])?, Dtype::Bool)?;
     let negative = ops::less(&diagonal(&take_last(&take_last(r, -2, 0, k)?, -1, 0, k)?)?, &zero)?;
-    let flip = ops::logical_and(&ops::logical_and(&reflected, &negative)?, &ops::logical_not(&skip)?)?;
-    ops::where_(&flip, &float_const(-1.0, work)?, &float_const(1.0, work)?)
+    let flip = ops::logical_and(&reflected, &negative)?;
+    let signs = ops::where_(&flip, &float_const(-1.0, work)?, &float_const(1.0, work)?)?;
+    if m > k || k == 1 {
+        return Ok(signs);
+    }
+    let others = take_last(&signs, -1, 0, k - 1)?;
+    let last = ops::prod(&others, &[-1], true)?;
+    ops::concatenate(&[&others, &last], -1)
 }
 
 /// Nx.Block.LinAlg.Cholesky: the lower factor. Where the matrix is not

@@ -1,8 +1,8 @@
 //! Convolution and window reductions with Nx's semantics.
 //!
-//! Windows are strided views (`as_strided`) of the padded input, reduced over
-//! their window axes. Views are computed from shapes the builder checks, so
-//! they never reach outside the padded array.
+//! Windows are strided views (`as_strided`) of the padded input, copied out
+//! and reduced over their window axes. Views are computed from shapes the
+//! builder checks, so they never reach outside the padded array.
 
 use super::compose::{count, expand, float_const, int_const, inverse};
 use super::{attrs, finish, to_out_type, Outputs};
@@ -18,8 +18,15 @@ use crate::term::Term;
 pub fn conv(x: &[&Array], a: &Term) -> Outputs {
     let ints = |key| attrs::ints(attrs::field(a, key)?);
     let int = |key| attrs::int(attrs::field(a, key)?);
-    let input = ops::transpose(&to_out_type(x[0], a)?, &ints("input_permutation")?)?;
-    let kernel = ops::transpose(&to_out_type(x[1], a)?, &ints("kernel_permutation")?)?;
+    // Half floats accumulate in f32 and round once, as Nx's do.
+    let work = |t: &Array| -> Result<Array> {
+        match t.dtype() {
+            Dtype::F16 | Dtype::Bf16 => ops::astype(t, Dtype::F32),
+            _ => t.share(),
+        }
+    };
+    let input = ops::transpose(&work(&to_out_type(x[0], a)?)?, &ints("input_permutation")?)?;
+    let kernel = ops::transpose(&work(&to_out_type(x[1], a)?)?, &ints("kernel_permutation")?)?;
     let (fg, bg) = (int("feature_group_size")?, int("batch_group_size")?);
     let shape = input.shape();
     let rank = shape.len();
@@ -29,8 +36,8 @@ pub fn conv(x: &[&Array], a: &Term) -> Outputs {
     let spatial = rank - 2;
     let padding = pairs(attrs::field(a, "padding")?)?;
     let strides = ints("strides")?;
-    let input_dilation = ints("input_dilation")?;
-    let kernel_dilation = ints("kernel_dilation")?;
+    let mut input_dilation = ints("input_dilation")?;
+    let mut kernel_dilation = ints("kernel_dilation")?;
     if [padding.len(), strides.len(), input_dilation.len(), kernel_dilation.len()].iter().any(|l| *l != spatial) {
         return Err(format!("one padding, stride and dilation per spatial axis ({spatial})"));
     }
@@ -47,6 +54,19 @@ pub fn conv(x: &[&Array], a: &Term) -> Outputs {
     } else {
         (input, fg)
     };
+    // MLX's f64 convolution has no dilated kernels: dilate explicitly.
+    let (input, kernel) = if input.dtype() == Dtype::F64 {
+        let (mut input, mut kernel) = (input, kernel);
+        for axis in 0..spatial {
+            input = dilate(&input, axis as i32 + 2, input_dilation[axis])?;
+            kernel = dilate(&kernel, axis as i32 + 2, kernel_dilation[axis])?;
+        }
+        input_dilation = vec![1; spatial];
+        kernel_dilation = vec![1; spatial];
+        (input, kernel)
+    } else {
+        (input, kernel)
+    };
     // MLX wants channels last and no negative padding; negative padding
     // crops the (dilated) input first.
     let (input, input_dilation, padding) = crop_negative_padding(&input, &input_dilation, &padding)?;
@@ -61,7 +81,11 @@ pub fn conv(x: &[&Array], a: &Term) -> Outputs {
         input_dilation: &input_dilation,
         groups,
     };
-    let result = if input.dtype() == Dtype::C64 { complex_conv(&input, &kernel, &spec)? } else { ops::conv_general(&input, &kernel, &spec)? };
+    let result = if input.dtype() == Dtype::C64 {
+        complex_conv(&input, &kernel, &spec)?
+    } else {
+        grouped_conv(&input, &kernel, &spec)?
+    };
     let channels_first: Vec<i32> = [&[0, rank as i32 - 1][..], &(1..rank as i32 - 1).collect::<Vec<_>>()].concat();
     let nx_layout = ops::transpose(&result, &channels_first)?;
     finish(ops::transpose(&nx_layout, &inverse(&ints("output_permutation")?)), a)
@@ -71,9 +95,37 @@ pub fn conv(x: &[&Array], a: &Term) -> Outputs {
 fn complex_conv(input: &Array, kernel: &Array, spec: &ConvSpec) -> Result<Array> {
     let (ir, ii) = (ops::real(input)?, ops::imag(input)?);
     let (kr, ki) = (ops::real(kernel)?, ops::imag(kernel)?);
-    let re = ops::subtract(&ops::conv_general(&ir, &kr, spec)?, &ops::conv_general(&ii, &ki, spec)?)?;
-    let im = ops::add(&ops::conv_general(&ir, &ki, spec)?, &ops::conv_general(&ii, &kr, spec)?)?;
+    let re = ops::subtract(&grouped_conv(&ir, &kr, spec)?, &grouped_conv(&ii, &ki, spec)?)?;
+    let im = ops::add(&grouped_conv(&ir, &ki, spec)?, &grouped_conv(&ii, &kr, spec)?)?;
     complex(&re, &im)
+}
+
+/// MLX's f64 convolution has no groups: convolve each group's channels with
+/// its filters and concatenate the outputs (channels last).
+fn grouped_conv(input: &Array, kernel: &Array, spec: &ConvSpec) -> Result<Array> {
+    if spec.groups <= 1 || input.dtype() != Dtype::F64 {
+        return ops::conv_general(input, kernel, spec);
+    }
+    let (ishape, kshape) = (input.shape(), kernel.shape());
+    let (c, o) = (ishape[ishape.len() - 1] / spec.groups, kshape[0] / spec.groups);
+    let single = ConvSpec { groups: 1, ..*spec };
+    let outputs = (0..spec.groups)
+        .map(|g| {
+            let part = slice_axis(input, ishape.len() - 1, g * c, c)?;
+            let filters = slice_axis(kernel, 0, g * o, o)?;
+            ops::conv_general(&part, &filters, &single)
+        })
+        .collect::<Result<Vec<Array>>>()?;
+    ops::concatenate(&outputs.iter().collect::<Vec<_>>(), -1)
+}
+
+fn slice_axis(x: &Array, axis: usize, start: i32, len: i32) -> Result<Array> {
+    let shape = x.shape();
+    let mut lo = vec![0; shape.len()];
+    let mut hi = shape.clone();
+    lo[axis] = start;
+    hi[axis] = start + len;
+    ops::slice(x, &lo, &hi, &vec![1; shape.len()])
 }
 
 /// `re + im * i` as c64.
@@ -174,7 +226,7 @@ fn window_reduce(x: &[&Array], a: &Term, reduce: Reduce) -> Outputs {
     };
     let padded = pad_or_crop(&tensor, &padding, &fill)?;
     let windows = Windows::new(&padded.shape(), &dims, &strides, &dilations)?;
-    let view = windows.view(&padded)?;
+    let view = windows.view(&windows.fit(&padded, &fill)?)?;
     let axes: Vec<i32> = (dims.len() as i32..2 * dims.len() as i32).collect();
     let reduced = match reduce {
         Reduce::Sum => ops::sum(&view, &axes, false),
@@ -221,12 +273,16 @@ fn pad_or_crop(x: &Array, padding: &[(i32, i32)], fill: &Array) -> Result<Array>
 }
 
 /// The windows of an array of `shape`: `[out..., window...]`.
+///
+/// Nx counts windows per axis as `div(size - span, stride) + 1` with
+/// truncating division, so a last window may overhang the (padded) array by
+/// less than a stride; it sees the padding value there (`fit`).
 struct Windows {
     out: Vec<i32>,
     dims: Vec<i32>,
     strides: Vec<i32>,
     dilations: Vec<i32>,
-    elements: Vec<i64>,
+    overhang: Vec<i32>,
 }
 
 impl Windows {
@@ -238,36 +294,52 @@ impl Windows {
         if dims.iter().chain(strides).chain(dilations).any(|&v| v < 1) {
             return Err(crate::mlx::Error::new("window sizes, strides and dilations must be positive"));
         }
-        let out = (0..rank)
-            .map(|i| {
-                let span = (dims[i] - 1) * dilations[i] + 1;
-                if shape[i] < span {
-                    0
-                } else {
-                    (shape[i] - span) / strides[i] + 1
-                }
-            })
+        let span = |i: usize| (dims[i] - 1) * dilations[i] + 1;
+        // Rust's `/` truncates like Elixir's `div`.
+        let out: Vec<i32> = (0..rank).map(|i| ((shape[i] - span(i)) / strides[i] + 1).max(0)).collect();
+        let overhang = (0..rank)
+            .map(|i| if out[i] == 0 { 0 } else { ((out[i] - 1) * strides[i] + span(i) - shape[i]).max(0) })
             .collect();
+        Ok(Windows { out, dims: dims.to_vec(), strides: strides.to_vec(), dilations: dilations.to_vec(), overhang })
+    }
+
+    /// `padded` extended with `fill` where the last windows overhang it.
+    fn fit(&self, padded: &Array, fill: &Array) -> Result<Array> {
+        if self.overhang.iter().all(|&o| o == 0) {
+            return padded.share();
+        }
+        ops::pad(padded, &vec![0; self.overhang.len()], &self.overhang, fill)
+    }
+
+    /// `[out..., window...]` view of a row-major array that holds them all.
+    fn view(&self, padded: &Array) -> Result<Array> {
+        let shape = padded.shape();
+        let rank = shape.len();
         let mut elements = vec![1i64; rank];
         for i in (0..rank.saturating_sub(1)).rev() {
             elements[i] = elements[i + 1] * shape[i + 1] as i64;
         }
-        Ok(Windows { out, dims: dims.to_vec(), strides: strides.to_vec(), dilations: dilations.to_vec(), elements })
-    }
-
-    /// `[out..., window...]` view of a row-major array of the given shape.
-    fn view(&self, padded: &Array) -> Result<Array> {
+        // as_strided does not check bounds: the view must fit.
+        let fits = (0..rank).all(|i| {
+            let last = (self.out[i] as i64 - 1) * self.strides[i] as i64 + (self.dims[i] as i64 - 1) * self.dilations[i] as i64;
+            self.out[i] == 0 || last < shape[i] as i64
+        });
+        if shape.len() != self.out.len() || !fits {
+            return Err(crate::mlx::Error::new(format!("windows {:?} do not fit shape {shape:?}", self.dims)));
+        }
         if count(&self.out) == 0 {
             let shape = [self.out.clone(), self.dims.clone()].concat();
             let zero = ops::astype(&Array::scalar(0i32)?, padded.dtype())?;
             return ops::broadcast_to(&zero, &shape);
         }
         let shape = [self.out.clone(), self.dims.clone()].concat();
-        let strides: Vec<i64> = (0..self.out.len())
-            .map(|i| self.elements[i] * self.strides[i] as i64)
-            .chain((0..self.out.len()).map(|i| self.elements[i] * self.dilations[i] as i64))
+        let strides: Vec<i64> = (0..rank)
+            .map(|i| elements[i] * self.strides[i] as i64)
+            .chain((0..rank).map(|i| elements[i] * self.dilations[i] as i64))
             .collect();
-        ops::as_strided(padded, &shape, &strides, 0)
+        // Materialised: MLX's reductions misread some overlapping views
+        // (measured: prod over a dilated window view).
+        ops::contiguous(&ops::as_strided(padded, &shape, &strides, 0)?)
     }
 }
 
@@ -296,8 +368,10 @@ fn window_scatter(x: &[&Array], a: &Term, max: bool) -> Outputs {
     }
     let shape = tensor.shape();
     let rank = shape.len();
-    let padded = pad_or_crop(tensor, &padding, &ops::astype(&init, tensor.dtype())?)?;
+    let fill = ops::astype(&init, tensor.dtype())?;
+    let padded = pad_or_crop(tensor, &padding, &fill)?;
     let windows = Windows::new(&padded.shape(), &dims, &strides, &vec![1; rank])?;
+    let padded = windows.fit(&padded, &fill)?;
     if windows.out != source.shape() {
         return Err(format!("source shape {:?} differs from the window grid {:?}", source.shape(), windows.out));
     }

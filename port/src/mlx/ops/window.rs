@@ -3,6 +3,7 @@
 use crate::mlx::{ffi, Array, Error, Result};
 
 /// The spatial parameters of `conv_general`, one entry per spatial axis.
+#[derive(Clone, Copy)]
 pub struct ConvSpec<'a> {
     pub strides: &'a [i32],
     pub pad_lo: &'a [i32],

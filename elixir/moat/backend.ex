@@ -14,6 +14,72 @@ defmodule Moat.Backend do
 
     * `:device` - `:cpu` (the default, and the only device on Linux CPU builds)
     * `:worker` - the `Moat.Worker` to use (default `Moat.Worker`)
+
+  ## Checks
+
+  MLX does not check indices, integer division or element counts, and on the
+  CPU some of those inputs kill its process or corrupt memory. The worker
+  checks them before MLX sees them, always: an op given out-of-range indices
+  (`gather`, `take`, `take_along_axis`, `indexed_add`, `indexed_put`), an
+  integer divisor of zero, or whose result would be larger than an address
+  space fails, and reading its result raises a `Moat.Error` naming the op.
+  The worker and every other tensor carry on.
+
+  A debug check is off by default:
+
+      config :moat, debug: [detect_non_finite: true]
+
+  makes every op evaluate its float results and fail if they hold NaN or an
+  infinity, so reading raises a `Moat.Error` naming the op that produced the
+  first one. Evaluating every op forgoes MLX's lazy fusion; use it to find
+  where NaN appears, not in production.
+
+  ## Divergences from Nx.BinaryBackend
+
+  Indexing, dot, convolution, linear algebra, windows, FFT and integer
+  division:
+
+    * Failures of asynchronous ops (out-of-range indices, integer division by
+      zero, singular matrices in `triangular_solve` and `solve`) raise a
+      `Moat.Error` naming the op when the result is read, where
+      Nx.BinaryBackend raises `ArgumentError` or `ArithmeticError` at the call.
+    * `quotient` and `remainder` follow Nx (truncation; the remainder has the
+      dividend's sign; `MIN / -1` wraps to `MIN`). A float `remainder` by zero
+      is NaN (Nx.BinaryBackend raises).
+    * `indexed_add`/`indexed_put` with updates smaller than the target's other
+      axes write them as a block at the index (as EXLA does);
+      Nx.BinaryBackend writes them contiguously from the index's offset.
+    * `fft`/`ifft` along a middle axis of a tensor of rank 3 or more transform
+      along that axis; Nx.BinaryBackend 0.13 scrambles that result. FFTs of
+      length 1 and windows whose last position overhangs the padded input
+      (Nx's shape rule allows it) return the transform or the reduction over
+      the part inside (the rest counts as padding); Nx.BinaryBackend returns
+      tensors without data there.
+    * Linear algebra comes from LAPACK (through MLX) in f32 (f64 for f64), not
+      from Nx's iterative algorithms: results agree to rounding (the last
+      digits of f32). Eigenvector and singular vector signs are normalised
+      (each vector's largest component positive); QR signs follow Nx's
+      Householder convention; in `qr(mode: :complete)` the columns of q past
+      min(m, n) are an orthonormal completion, not necessarily Nx's.
+      `triangular_solve` computes in f64, as Nx.BinaryBackend does.
+    * `cholesky` of a matrix that is not positive definite is NaN from the
+      first non-positive pivot on (MLX's result there is garbage; Nx's
+      algorithm gives NaN from the first negative pivot and huge values after
+      a zero one).
+    * `dot` and `conv` of f16/bf16 accumulate in f32 and round once.
+
+  ## Fallbacks
+
+  Indexing, dot, convolution, linear algebra, windows and FFT:
+
+    * On Nx.BinaryBackend (inputs copied out of the worker and back; each
+      emits `[:moat, :fallback, ...]` telemetry and obeys
+      `config :moat, fallback: :silent | :warn | :raise`): `reduce` and
+      `window_reduce` (a user function cannot run in the worker), `conv` over
+      more than 3 spatial axes, complex `triangular_solve`.
+    * Through Nx's default implementations, built from Moat's own ops (MLX's
+      decompositions are real): complex QR, Cholesky, eigh, LU, solve and
+      determinant.
   """
 
   @behaviour Nx.Backend

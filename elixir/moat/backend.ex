@@ -247,8 +247,9 @@ defmodule Moat.Backend do
   # MLX convolves over 1 to 3 spatial axes.
   @impl true
   def conv(out, input, kernel, opts) when tuple_size(input.shape) in 3..5 do
-    keys = [:strides, :input_dilation, :kernel_dilation, :feature_group_size, :batch_group_size] ++
-             [:input_permutation, :kernel_permutation, :output_permutation]
+    keys =
+      [:strides, :input_dilation, :kernel_dilation, :feature_group_size, :batch_group_size] ++
+        [:input_permutation, :kernel_permutation, :output_permutation]
 
     attrs = opts |> Keyword.take(keys) |> Map.new() |> Map.merge(%{padding: opts[:padding], type: out.type})
     op(out, :conv, [input, kernel], attrs)
@@ -258,7 +259,8 @@ defmodule Moat.Backend do
 
   # MLX solves real systems only.
   @impl true
-  def triangular_solve(%T{type: {:c, _}} = out, a, b, opts), do: via_binary(:triangular_solve, out, [a, b, opts])
+  def triangular_solve(%T{type: {:c, _}} = out, a, b, opts),
+    do: via_binary(:triangular_solve, out, [a, b, opts])
 
   def triangular_solve(out, a, b, opts) do
     attrs = %{left_side: opts[:left_side], lower: opts[:lower], transform_a: opts[:transform_a]}
@@ -309,7 +311,9 @@ defmodule Moat.Backend do
     end)
   end
 
-  defp backend_options(%T{data: %__MODULE__{ref: ref, device: device}}), do: [worker: ref.worker, device: device]
+  defp backend_options(%T{data: %__MODULE__{ref: ref, device: device}}),
+    do: [worker: ref.worker, device: device]
+
   defp backend_options(_tensor), do: []
 
   ## FFT

@@ -56,7 +56,11 @@ fn out_of_range_indices_fail_the_op_and_the_worker_keeps_serving() {
     let scatter = map(vec![("axes", ints(&[0, 1])), ("type", Term::tuple(vec![Term::atom("f"), Term::int(32)]))]);
     w.request(0, "indexed_put", &[24], &[2, 22, 23], scatter);
     let (op, message) = error_parts(&w.read(6, 24).unwrap_err());
-    assert_eq!((op.as_str(), message.contains("index 7 is out of bounds for axis 0")), ("indexed_put", true), "{message}");
+    assert_eq!(
+        (op.as_str(), message.contains("index 7 is out of bounds for axis 0")),
+        ("indexed_put", true),
+        "{message}"
+    );
     assert_serving(&mut w, 7, 1);
     w.close(Duration::from_secs(1));
 }

@@ -51,7 +51,10 @@ defmodule Moat.CrashGuardTest do
 
     test "gather and take_along_axis", ctx do
       t = moat(Nx.iota({3, 4}))
-      assert_op_fails(:gather, "index 4 is out of bounds for axis 1", fn -> Nx.gather(t, moat(Nx.tensor([[2, 4]]))) end)
+
+      assert_op_fails(:gather, "index 4 is out of bounds for axis 1", fn ->
+        Nx.gather(t, moat(Nx.tensor([[2, 4]])))
+      end)
 
       assert_op_fails(:take_along_axis, "index 9 is out of bounds for axis 1", fn ->
         Nx.take_along_axis(t, moat(Nx.tensor([[0], [9], [1]])), axis: 1)
@@ -64,9 +67,19 @@ defmodule Moat.CrashGuardTest do
       t = moat(Nx.iota({3, 4}))
       indices = moat(Nx.tensor([[0, 0], [2, 100_000_000]]))
       updates = moat(Nx.tensor([1, 1]))
-      assert_op_fails(:indexed_add, "index 100000000 is out of bounds", fn -> Nx.indexed_add(t, indices, updates) end)
-      assert_op_fails(:indexed_put, "index 100000000 is out of bounds", fn -> Nx.indexed_put(t, indices, updates) end)
-      assert_op_fails(:indexed_put, "index -3 is out of bounds", fn -> Nx.indexed_put(t, moat(Nx.tensor([[-3, 0]])), moat(Nx.tensor([1]))) end)
+
+      assert_op_fails(:indexed_add, "index 100000000 is out of bounds", fn ->
+        Nx.indexed_add(t, indices, updates)
+      end)
+
+      assert_op_fails(:indexed_put, "index 100000000 is out of bounds", fn ->
+        Nx.indexed_put(t, indices, updates)
+      end)
+
+      assert_op_fails(:indexed_put, "index -3 is out of bounds", fn ->
+        Nx.indexed_put(t, moat(Nx.tensor([[-3, 0]])), moat(Nx.tensor([1])))
+      end)
+
       assert_survived(ctx)
     end
 
@@ -138,7 +151,11 @@ defmodule Moat.CrashGuardTest do
       pid = os_pid(:non_finite_worker)
       on = &Nx.backend_transfer(&1, {Moat.Backend, worker: :non_finite_worker})
       fine = on.(Nx.tensor([[4.0, 2.0], [2.0, 3.0]]))
-      assert_op_fails(:cholesky, "NaN or infinity", fn -> Nx.LinAlg.cholesky(on.(Nx.tensor([[1.0, 2.0], [2.0, 1.0]]))) end)
+
+      assert_op_fails(:cholesky, "NaN or infinity", fn ->
+        Nx.LinAlg.cholesky(on.(Nx.tensor([[1.0, 2.0], [2.0, 1.0]])))
+      end)
+
       big = on.(Nx.tensor([[3.0e38]]))
       assert_op_fails(:dot, "NaN or infinity", fn -> Nx.dot(big, big) end)
       assert Nx.to_flat_list(Nx.LinAlg.cholesky(fine)) |> Enum.all?(&is_float/1)

@@ -53,10 +53,11 @@ defmodule Moat.NxDoctestTest do
     end
 
     test "determinant" do
-      t = Nx.tensor([
-        [[2, 4, 6, 7], [5, 1, 8, 8], [1, 7, 3, 1], [3, 9, 2, 4]],
-        [[2, 5, 1, 3], [4, 1, 7, 9], [6, 8, 3, 2], [7, 8, 1, 4]]
-      ])
+      t =
+        Nx.tensor([
+          [[2, 4, 6, 7], [5, 1, 8, 8], [1, 7, 3, 1], [3, 9, 2, 4]],
+          [[2, 5, 1, 3], [4, 1, 7, 9], [6, 8, 3, 2], [7, 8, 1, 4]]
+        ])
 
       assert_close(Nx.LinAlg.determinant(t), [630.0, 630.00006])
     end
@@ -74,7 +75,10 @@ defmodule Moat.NxDoctestTest do
     end
 
     test "least_squares" do
-      assert_close(Nx.LinAlg.least_squares(Nx.tensor([[1, 2], [2, 3]]), Nx.tensor([1, 2])), [1.0000005, -2.3841858e-7])
+      assert_close(Nx.LinAlg.least_squares(Nx.tensor([[1, 2], [2, 3]]), Nx.tensor([1, 2])), [
+        1.0000005,
+        -2.3841858e-7
+      ])
 
       a = Nx.tensor([[0, 1], [1, 1], [2, 1], [3, 1]])
       assert_close(Nx.LinAlg.least_squares(a, Nx.tensor([-1, 0.2, 0.9, 2.1])), [1.0000001, -0.95000035])
@@ -95,8 +99,15 @@ defmodule Moat.NxDoctestTest do
     end
 
     test "pinv" do
-      assert_close(Nx.LinAlg.pinv(Nx.tensor([[1, 1], [3, 4]])), [[4.0000577, -1.0000169], [-3.000044, 1.000013]])
-      assert_close(Nx.LinAlg.pinv(Nx.tensor([[0.5, 0], [0, 1], [0.5, 0]])), [[0.99999994, 0.0, 0.99999994], [0.0, 1.0, 0.0]])
+      assert_close(Nx.LinAlg.pinv(Nx.tensor([[1, 1], [3, 4]])), [
+        [4.0000577, -1.0000169],
+        [-3.000044, 1.000013]
+      ])
+
+      assert_close(Nx.LinAlg.pinv(Nx.tensor([[0.5, 0], [0, 1], [0.5, 0]])), [
+        [0.99999994, 0.0, 0.99999994],
+        [0.0, 1.0, 0.0]
+      ])
     end
 
     test "qr" do
@@ -118,7 +129,14 @@ defmodule Moat.NxDoctestTest do
 
     test "svd" do
       {u, s, vt} = Nx.LinAlg.svd(Nx.tensor([[2, 0, 0], [0, 3, 0], [0, 0, -1], [0, 0, 0]]))
-      assert_close(u, [[0.0, 0.99999994, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0], [0.0, 0.0, -1.0, 0.0], [0.0, 0.0, 0.0, 1.0]])
+
+      assert_close(u, [
+        [0.0, 0.99999994, 0.0, 0.0],
+        [1.0, 0.0, 0.0, 0.0],
+        [0.0, 0.0, -1.0, 0.0],
+        [0.0, 0.0, 0.0, 1.0]
+      ])
+
       assert_close(s, [3.0, 1.9999999, 1.0])
       assert_close(vt, [[0.0, 1.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 1.0]])
     end

@@ -12,6 +12,7 @@ defmodule Moat.GenB do
   def int_types, do: @int_types
   def float_types, do: @float_types
   def real_types, do: @int_types ++ @float_types
+  def all_types, do: real_types() ++ [{:c, 64}]
 
   @doc """
   Runs `fun` `runs` times, each after seeding `:rand` with the next seed
@@ -54,7 +55,12 @@ defmodule Moat.GenB do
   `:full` is true (wrapping arithmetic), else small values; floats are
   small integers and halves (exact in every float type) or normal values.
   """
-  def tensor(shape, type, opts \\ []) do
+  def tensor(shape, type, opts \\ [])
+
+  def tensor(shape, {:c, 64}, opts),
+    do: Nx.complex(tensor(shape, {:f, 32}, opts), tensor(shape, {:f, 32}, opts))
+
+  def tensor(shape, type, opts) do
     n = Tuple.product(shape)
     values = for _ <- 1..n//1, do: value(type, opts)
     Nx.tensor(values, type: type, backend: Nx.BinaryBackend) |> Nx.reshape(shape)
@@ -98,8 +104,8 @@ defmodule Moat.GenB do
         :ok
 
       Nx.Type.float?(actual.type) or Nx.Type.complex?(actual.type) ->
-      {rtol, atol} = tolerance(actual.type, opts)
-      close = Nx.all_close(actual, expected, rtol: rtol, atol: atol, equal_nan: true) |> Nx.to_number()
+        {rtol, atol} = tolerance(actual.type, opts)
+        close = Nx.all_close(actual, expected, rtol: rtol, atol: atol, equal_nan: true) |> Nx.to_number()
         assert close == 1, "not close (rtol #{rtol}, atol #{atol}):\n#{inspect(actual)}\n#{inspect(expected)}"
 
       true ->

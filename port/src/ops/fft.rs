@@ -53,7 +53,9 @@ fn transform(x: &Array, a: &Term, kind: Kind, axes_key: &str, lengths_key: &str)
     // MLX transforms in c64/f32; wider inputs are narrowed first (Moat has
     // no c128, so Nx's type for them is refused before they get here).
     let x = match (kind, x.dtype()) {
-        (Kind::RealForward, Dtype::F32) | (Kind::RealInverse | Kind::Forward | Kind::Inverse, Dtype::C64) => x.share()?,
+        (Kind::RealForward, Dtype::F32) | (Kind::RealInverse | Kind::Forward | Kind::Inverse, Dtype::C64) => {
+            x.share()?
+        }
         (Kind::RealForward, _) => ops::astype(x, Dtype::F32)?,
         _ => ops::astype(x, Dtype::C64)?,
     };

@@ -251,7 +251,8 @@ fn clamped_starts(starts: &Term, tensors: &[&Array], shape: &[i32], lengths: &[i
                 let t = ops::reshape(t, &[1])?;
                 // Unsigned starts are capped in their own type so the cast
                 // to s64 cannot wrap them negative.
-                let t = if matches!(t.dtype(), Dtype::U64) { ops::minimum(&t, &Array::scalar(high as u64)?)? } else { t };
+                let t =
+                    if matches!(t.dtype(), Dtype::U64) { ops::minimum(&t, &Array::scalar(high as u64)?)? } else { t };
                 let t = ops::astype(&t, Dtype::S64)?;
                 ops::minimum(&ops::maximum(&t, &Array::scalar(0i64)?)?, &Array::scalar(high)?)?
             }

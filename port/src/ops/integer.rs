@@ -131,4 +131,3 @@ fn popcount(v: &Array) -> Result<Array> {
     let summed = ops::multiply(&v, &mask(0x01)?)?;
     shr(&summed, width as u64 - 8)
 }
-

@@ -321,7 +321,8 @@ impl Windows {
         }
         // as_strided does not check bounds: the view must fit.
         let fits = (0..rank).all(|i| {
-            let last = (self.out[i] as i64 - 1) * self.strides[i] as i64 + (self.dims[i] as i64 - 1) * self.dilations[i] as i64;
+            let last = (self.out[i] as i64 - 1) * self.strides[i] as i64
+                + (self.dims[i] as i64 - 1) * self.dilations[i] as i64;
             self.out[i] == 0 || last < shape[i] as i64
         });
         if shape.len() != self.out.len() || !fits {

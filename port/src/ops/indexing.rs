@@ -73,14 +73,19 @@ fn indexed(x: &[&Array], a: &Term, combine: Combine) -> Outputs {
     if ishape.len() != 2 || ishape[1] as usize != axes.len() {
         return Err(format!("indices must have shape [n, {}], got {ishape:?}", axes.len()));
     }
+    // MLX's scatter writes each update slice without checking that it fits.
+    let (ushape, rest) = (updates.shape(), &flat.permuted[axes.len()..]);
+    if ushape.len() != rest.len() + 1 || ushape[0] != ishape[0] || ushape[1..].iter().zip(rest).any(|(u, t)| u > t) {
+        return Err(format!("updates of shape {ushape:?} do not fit indices {ishape:?} into {shape:?}"));
+    }
     let mut linear = flat.linear(&read_indices(x[1])?, &shape)?;
     if linear.is_empty() {
         return finish(target.share(), a);
     }
     // Updates [n, rest...] become slices [n, 1, rest...] of the flattened target.
-    let mut ushape = updates.shape();
-    ushape.insert(1, 1);
-    let mut updates = ops::reshape(&updates, &ushape)?;
+    let mut slices = ushape.clone();
+    slices.insert(1, 1);
+    let mut updates = ops::reshape(&updates, &slices)?;
     if combine == Combine::Put {
         let keep = last_occurrences(&linear);
         if keep.len() < linear.len() {

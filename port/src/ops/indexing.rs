@@ -87,7 +87,7 @@ fn indexed(x: &[&Array], a: &Term, combine: Combine) -> Outputs {
     slices.insert(1, 1);
     let mut updates = ops::reshape(&updates, &slices)?;
     if combine == Combine::Put {
-        let keep = last_occurrences(&linear);
+        let keep = last_occurrences(&linear, flat.rows());
         if keep.len() < linear.len() {
             let positions: Vec<i64> = keep.iter().map(|&i| i as i64).collect();
             let n = positions.len() as i32;
@@ -163,13 +163,23 @@ impl Indexed {
     }
 }
 
-/// For each distinct value, the position of its last occurrence, in order.
-fn last_occurrences(linear: &[i64]) -> Vec<usize> {
-    let mut last = HashMap::with_capacity(linear.len());
-    for (i, v) in linear.iter().enumerate() {
-        last.insert(*v, i);
-    }
-    let mut keep: Vec<usize> = last.into_values().collect();
+/// For each distinct value (a row number below `rows`), the position of its
+/// last occurrence, in order.
+fn last_occurrences(linear: &[i64], rows: i64) -> Vec<usize> {
+    let mut keep: Vec<usize> = if rows <= 4 * linear.len() as i64 + 4096 {
+        // Few rows: a table indexed by row.
+        let mut last = vec![usize::MAX; rows as usize];
+        for (i, &v) in linear.iter().enumerate() {
+            last[v as usize] = i;
+        }
+        last.into_iter().filter(|&i| i != usize::MAX).collect()
+    } else {
+        let mut last = HashMap::with_capacity(linear.len());
+        for (i, &v) in linear.iter().enumerate() {
+            last.insert(v, i);
+        }
+        last.into_values().collect()
+    };
     keep.sort_unstable();
     keep
 }

@@ -149,9 +149,11 @@ defmodule Moat.NxDoctestTest do
   end
 
   defp assert_close(%Nx.Tensor{} = actual, expected) do
-    expected = Nx.tensor(expected, type: actual.type, backend: Nx.BinaryBackend)
-    actual = Nx.backend_copy(actual, Nx.BinaryBackend)
-    close = Nx.all_close(actual, expected, rtol: 1.0e-4, atol: 1.0e-5) |> Nx.to_number()
-    assert close == 1, "#{inspect(actual)}\nis not close to\n#{inspect(expected)}"
+    Nx.with_default_backend(Nx.BinaryBackend, fn ->
+      expected = Nx.tensor(expected, type: actual.type)
+      actual = Nx.backend_copy(actual, Nx.BinaryBackend)
+      close = Nx.all_close(actual, expected, rtol: 1.0e-4, atol: 1.0e-5) |> Nx.to_number()
+      assert close == 1, "#{inspect(actual)}\nis not close to\n#{inspect(expected)}"
+    end)
   end
 end

@@ -49,8 +49,9 @@ defmodule Moat.Backend do
     * `indexed_add`/`indexed_put` with updates smaller than the target's other
       axes write them as a block at the index (as EXLA does);
       Nx.BinaryBackend writes them contiguously from the index's offset.
-    * `fft`/`ifft` along a middle axis of a tensor of rank 3 or more transform
-      along that axis; Nx.BinaryBackend 0.13 scrambles that result. FFTs of
+    * FFTs along an axis before the last two of a tensor (`fft`, `ifft`, and
+      `fft2`/`ifft2` over such an axis) transform along that axis;
+      Nx.BinaryBackend 0.13 scrambles that result. FFTs of
       length 1 and windows whose last position overhangs the padded input
       (Nx's shape rule allows it) return the transform or the reduction over
       the part inside (the rest counts as padding); Nx.BinaryBackend returns

@@ -203,6 +203,33 @@ defmodule Moat.BackendBPropertiesTest do
     end)
   end
 
+  test "fft2 and ifft2 over any two axes, irfft" do
+    check("fft2 axes", 15, 10_500, fn ->
+      shape = shape(3, 1, 4)
+      t = signal(shape)
+      [ax1, ax2] = Enum.take(Enum.shuffle(0..2), 2) |> Enum.sort()
+      [l1, l2] = [int(2, 5), int(2, 5)]
+      tol = [atol: 1.0e-4, rtol: 1.0e-4]
+
+      for {op2, op} <- [fft2: :fft, ifft2: :ifft] do
+        expected =
+          t
+          |> along_axis(ax2, &apply(Nx, op, [&1, [length: l2]]))
+          |> along_axis(ax1, &apply(Nx, op, [&1, [length: l1]]))
+
+        actual = apply(Nx, op2, [moat(t), [axes: [ax1, ax2], lengths: [l1, l2]]])
+        assert_same(back(actual), expected, tol)
+      end
+
+      spectrum = Nx.rfft(tensor({int(2, 6)}, {:f, 32}, exact: false))
+      length = int(2, 8)
+
+      with {:ok, expected} <- attempt(fn -> Nx.irfft(spectrum, length: length) end) do
+        assert_same(back(Nx.irfft(moat(spectrum), length: length)), expected, tol)
+      end
+    end)
+  end
+
   test "fft2, ifft2 and rfft" do
     check("fft2", 20, 10_000, fn ->
       shape = shape(int(2, 3), 1, 5)

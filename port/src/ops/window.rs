@@ -338,9 +338,11 @@ impl Windows {
             .map(|i| elements[i] * self.strides[i] as i64)
             .chain((0..rank).map(|i| elements[i] * self.dilations[i] as i64))
             .collect();
-        // Materialised: MLX's reductions misread some overlapping views
-        // (measured: prod over a dilated window view).
-        ops::contiguous(&ops::as_strided(padded, &shape, &strides, 0)?)
+        // as_strided reads the array's buffer, so that must be row-major;
+        // the view is copied out because MLX's reductions misread some
+        // overlapping views (measured: prod over a dilated window view).
+        let dense = ops::contiguous(padded)?;
+        ops::contiguous(&ops::as_strided(&dense, &shape, &strides, 0)?)
     }
 }
 

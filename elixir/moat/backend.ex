@@ -23,7 +23,9 @@ defmodule Moat.Backend do
   (`gather`, `take`, `take_along_axis`, `indexed_add`, `indexed_put`), an
   integer divisor of zero, or whose result would be larger than an address
   space fails, and reading its result raises a `Moat.Error` naming the op.
-  The worker and every other tensor carry on.
+  The worker and every other tensor carry on. Checking indices and integer
+  divisors evaluates them in the worker (not the op's result, and with no
+  round trip to the VM).
 
   A debug check is off by default:
 

@@ -23,7 +23,31 @@ defmodule Moat.Backend do
   `inspect/2` shows the backend and device on a first line, like Torchx;
   `config :moat, inspect_backend: false` leaves it out.
 
+  ## Checks
+
+  MLX does not check indices, integer division or element counts, and on the
+  CPU some of those inputs kill its process or corrupt memory. The worker
+  checks them before MLX sees them, always: an op given out-of-range indices
+  (`gather`, `take`, `take_along_axis`, `indexed_add`, `indexed_put`), an
+  integer divisor of zero, or whose result would be larger than an address
+  space fails, and reading its result raises a `Moat.Error` naming the op.
+  The worker and every other tensor carry on. Checking indices and integer
+  divisors evaluates them in the worker (not the op's result, and with no
+  round trip to the VM).
+
+  A debug check is off by default:
+
+      config :moat, debug: [detect_non_finite: true]
+
+  makes every op evaluate its float results and fail if they hold NaN or an
+  infinity, so reading raises a `Moat.Error` naming the op that produced the
+  first one. Evaluating every op forgoes MLX's lazy fusion; use it to find
+  where NaN appears, not in production.
+
   ## Divergences from Nx.BinaryBackend
+
+  Creation, conversion, shape and type ops, element-wise ops, reductions,
+  cumulative ops and sorting:
 
     * Types MLX cannot hold raise `ArgumentError` before anything is sent:
       `{:f, 8}`, `{:f8_e4m3fn, 8}`, `{:s | :u, 2 | 4}` and `{:c, 128}` (so
@@ -68,6 +92,39 @@ defmodule Moat.Backend do
       or to other processes, and a shared-memory IPC segment would outlive
       the tensor with nothing to release it.
 
+  Indexing, dot, convolution, linear algebra, windows, FFT and integer
+  division:
+
+    * Failures of asynchronous ops (out-of-range indices, integer division by
+      zero, singular matrices in `triangular_solve` and `solve`) raise a
+      `Moat.Error` naming the op when the result is read, where
+      Nx.BinaryBackend raises `ArgumentError` or `ArithmeticError` at the call.
+    * `quotient` and `remainder` follow Nx (truncation; the remainder has the
+      dividend's sign; `MIN / -1` wraps to `MIN`). A float `remainder` by zero
+      is NaN (Nx.BinaryBackend raises).
+    * `indexed_add`/`indexed_put` with updates smaller than the target's other
+      axes write them as a block at the index (as EXLA does);
+      Nx.BinaryBackend writes them contiguously from the index's offset.
+    * FFTs along an axis before the last two of a tensor (`fft`, `ifft`, and
+      `fft2`/`ifft2` over such an axis) transform along that axis;
+      Nx.BinaryBackend 0.13 scrambles that result. FFTs of
+      length 1 and windows whose last position overhangs the padded input
+      (Nx's shape rule allows it) return the transform or the reduction over
+      the part inside (the rest counts as padding); Nx.BinaryBackend returns
+      tensors without data there.
+    * Linear algebra comes from LAPACK (through MLX) in f32 (f64 for f64), not
+      from Nx's iterative algorithms: results agree to rounding (the last
+      digits of f32). Eigenvector and singular vector signs are normalised
+      (each vector's largest component positive); QR signs follow Nx's
+      Householder convention; in `qr(mode: :complete)` the columns of q past
+      min(m, n) are an orthonormal completion, not necessarily Nx's.
+      `triangular_solve` computes in f64, as Nx.BinaryBackend does.
+    * `cholesky` of a matrix that is not positive definite is NaN from the
+      first non-positive pivot on (MLX's result there is garbage; Nx's
+      algorithm gives NaN from the first negative pivot and huge values after
+      a zero one).
+    * `dot` and `conv` of f16/bf16 accumulate in f32 and round once.
+
   ## Fallbacks
 
   Creation, conversion, shape and type ops, element-wise ops, reductions,
@@ -75,6 +132,17 @@ defmodule Moat.Backend do
   `Nx.Block.Phase`, `Nx.Block.AllClose`, `Nx.Block.Cumulative*` (any axis,
   both directions) and `Nx.Block.TopK` all run natively in the worker; none
   of them falls back to Nx.BinaryBackend.
+
+  Indexing, dot, convolution, linear algebra, windows and FFT:
+
+    * On Nx.BinaryBackend (inputs copied out of the worker and back; each
+      emits `[:moat, :fallback, ...]` telemetry and obeys
+      `config :moat, fallback: :silent | :warn | :raise`): `reduce` and
+      `window_reduce` (a user function cannot run in the worker), `conv` over
+      more than 3 spatial axes, complex `triangular_solve`.
+    * Through Nx's default implementations, built from Moat's own ops (MLX's
+      decompositions are real): complex QR, Cholesky, eigh, LU, solve and
+      determinant.
   """
 
   @behaviour Nx.Backend
@@ -266,19 +334,6 @@ defmodule Moat.Backend do
   end
 
   @impl true
-  def slice(out, tensor, start, lengths, strides) do
-    op(out, :slice, [tensor], %{start: integers(start), lengths: lengths, strides: strides})
-  end
-
-  @impl true
-  def put_slice(out, tensor, start, slice) do
-    op(out, :put_slice, [tensor, slice], %{start: integers(start), type: out.type})
-  end
-
-  # Start indices may be scalar tensors; reading them is a round trip.
-  defp integers(indices), do: Enum.map(indices, fn i when is_integer(i) -> i; t -> Nx.to_number(t) end)
-
-  @impl true
   def concatenate(out, tensors, axis), do: op(out, :concatenate, tensors, %{axis: axis, type: out.type})
 
   @impl true
@@ -356,16 +411,150 @@ defmodule Moat.Backend do
 
   ## Indexing
 
+  # Indices are checked in the worker before MLX sees them; out-of-range
+  # indices fail the op (Moat.Error when the result is read), as they raise
+  # in Nx.BinaryBackend.
+
+  @impl true
+  def gather(out, tensor, indices, opts), do: op(out, :gather, [tensor, indices], %{axes: opts[:axes]})
+
+  for name <- [:indexed_add, :indexed_put] do
+    @impl true
+    def unquote(name)(out, target, indices, updates, opts) do
+      op(out, unquote(name), [target, indices, updates], %{axes: opts[:axes], type: out.type})
+    end
+  end
+
+  # Start indices may be scalar tensors (Nx's dynamic slices); the worker
+  # clamps every start into the tensor, as Nx does.
+  @impl true
+  def slice(out, tensor, starts, lengths, strides) do
+    {starts, tensors} = split_starts(starts)
+    attrs = %{starts: starts, lengths: lengths, strides: strides}
+    op(out, :slice, [tensor | tensors], attrs)
+  end
+
+  @impl true
+  def put_slice(out, tensor, starts, slice) do
+    {starts, tensors} = split_starts(starts)
+    op(out, :put_slice, [tensor, slice | tensors], %{starts: starts, type: out.type})
+  end
+
+  # Integer starts travel as attributes, tensor starts as inputs (nil marks
+  # their places).
+  defp split_starts(starts) do
+    {attrs, tensors} =
+      Enum.map_reduce(starts, [], fn
+        start, acc when is_integer(start) -> {start, acc}
+        %T{} = start, acc -> {nil, [start | acc]}
+      end)
+
+    {attrs, Enum.reverse(tensors)}
+  end
+
   ## Dot, convolution and linear algebra
 
   @impl true
-  def dot(out, a, [1], [], b, [0], []) when tuple_size(a.shape) == 2 and tuple_size(b.shape) == 2 do
-    op(out, :matmul, [a, b], %{type: out.type})
+  def dot(out, a, contract_a, batch_a, b, contract_b, batch_b) do
+    attrs = %{contract_a: contract_a, batch_a: batch_a, contract_b: contract_b, batch_b: batch_b}
+    op(out, :dot, [a, b], Map.put(attrs, :type, out.type))
+  end
+
+  # MLX convolves over 1 to 3 spatial axes.
+  @impl true
+  def conv(out, input, kernel, opts) when tuple_size(input.shape) in 3..5 do
+    keys =
+      [:strides, :input_dilation, :kernel_dilation, :feature_group_size, :batch_group_size] ++
+        [:input_permutation, :kernel_permutation, :output_permutation]
+
+    attrs = opts |> Keyword.take(keys) |> Map.new() |> Map.merge(%{padding: opts[:padding], type: out.type})
+    op(out, :conv, [input, kernel], attrs)
+  end
+
+  def conv(out, input, kernel, opts), do: via_binary(:conv, out, [input, kernel, opts])
+
+  # MLX solves real systems only.
+  @impl true
+  def triangular_solve(%T{type: {:c, _}} = out, a, b, opts),
+    do: via_binary(:triangular_solve, out, [a, b, opts])
+
+  def triangular_solve(out, a, b, opts) do
+    attrs = %{left_side: opts[:left_side], lower: opts[:lower], transform_a: opts[:transform_a]}
+    op(out, :triangular_solve, [a, b], Map.put(attrs, :type, out.type))
   end
 
   ## Windows
 
+  for name <- [:window_sum, :window_product, :window_max, :window_min] do
+    @impl true
+    def unquote(name)(out, tensor, window_dimensions, opts) do
+      op(out, unquote(name), [tensor], window_attrs(out, window_dimensions, opts))
+    end
+  end
+
+  for name <- [:window_scatter_max, :window_scatter_min] do
+    @impl true
+    def unquote(name)(out, tensor, source, init_value, window_dimensions, opts) do
+      attrs = window_attrs(out, window_dimensions, opts)
+      op(out, unquote(name), [tensor, source, init_value], attrs)
+    end
+  end
+
+  defp window_attrs(out, window_dimensions, opts) do
+    %{
+      window_dimensions: Tuple.to_list(window_dimensions),
+      strides: opts[:strides],
+      padding: opts[:padding],
+      window_dilations: opts[:window_dilations] || List.duplicate(1, tuple_size(window_dimensions)),
+      type: out.type
+    }
+  end
+
+  # A user function cannot run in the worker. It runs on Nx.BinaryBackend,
+  # with that as the default backend for the tensors it creates.
+  @impl true
+  def reduce(out, tensor, acc, opts, fun) do
+    Nx.with_default_backend(Nx.BinaryBackend, fn ->
+      via_binary(:reduce, out, [tensor, acc, opts, fun], backend_options(tensor))
+    end)
+  end
+
+  @impl true
+  def window_reduce(out, tensor, acc, window_dimensions, opts, fun) do
+    Nx.with_default_backend(Nx.BinaryBackend, fn ->
+      args = [tensor, acc, window_dimensions, opts, fun]
+      via_binary(:window_reduce, out, args, backend_options(tensor))
+    end)
+  end
+
+  defp backend_options(%T{data: %__MODULE__{ref: ref, device: device}}),
+    do: [worker: ref.worker, device: device]
+
+  defp backend_options(_tensor), do: []
+
   ## FFT
+
+  for name <- [:fft, :ifft] do
+    @impl true
+    def unquote(name)(out, tensor, opts) do
+      attrs = %{axis: opts[:axis], length: opts[:length], eps: opts[:eps], type: out.type}
+      op(out, unquote(name), [tensor], attrs)
+    end
+  end
+
+  ## Integer division and bit counts
+
+  # Nx's semantics (truncating quotient, remainder with the dividend's sign)
+  # are applied in the worker, which also keeps `MIN / -1` away from MLX.
+  for name <- [:quotient, :remainder] do
+    @impl true
+    def unquote(name)(out, a, b), do: op(out, unquote(name), [a, b], %{type: out.type})
+  end
+
+  for name <- [:population_count, :count_leading_zeros] do
+    @impl true
+    def unquote(name)(out, tensor), do: op(out, unquote(name), [tensor], %{type: out.type})
+  end
 
   ## Blocks
 
@@ -410,6 +599,50 @@ defmodule Moat.Backend do
   end
 
   defp elementwise_block(_struct, _output, _args), do: :default
+
+  alias Nx.Block.LinAlg
+
+  defp indexing_block(%Nx.Block.Take{axis: axis}, out, [tensor, indices]),
+    do: op(out, :take, [tensor, indices], %{axis: axis})
+
+  defp indexing_block(%Nx.Block.TakeAlongAxis{axis: axis}, out, [tensor, indices]),
+    do: op(out, :take_along_axis, [tensor, indices], %{axis: axis})
+
+  # MLX's decompositions are real (f32/f64); complex inputs take Nx's
+  # default implementations (the last clause).
+  defp indexing_block(%LinAlg.QR{mode: mode, eps: eps}, {%T{type: {k, _}} = q, _} = out, [t]) when k != :c,
+    do: multi_op(out, :qr, [t], %{mode: mode, eps: eps, type: q.type})
+
+  defp indexing_block(%LinAlg.Cholesky{}, %T{type: {k, _}} = out, [t]) when k != :c,
+    do: op(out, :cholesky, [t], %{type: out.type})
+
+  defp indexing_block(%LinAlg.Eigh{eps: eps}, {%T{type: {k, _}}, v} = out, [t]) when k != :c,
+    do: multi_op(out, :eigh, [t], %{eps: eps, type: v.type})
+
+  defp indexing_block(%LinAlg.SVD{full_matrices?: full}, {%T{type: {k, _}} = u, _, _} = out, [t])
+       when k != :c,
+       do: multi_op(out, :svd, [t], %{full_matrices: full, type: u.type})
+
+  defp indexing_block(%LinAlg.LU{}, {p, %T{type: {k, _}} = l, _} = out, [t]) when k != :c,
+    do: multi_op(out, :lu, [t], %{p_type: p.type, type: l.type})
+
+  defp indexing_block(%LinAlg.Solve{}, %T{type: {k, _}} = out, [a, b]) when k != :c,
+    do: op(out, :solve, [a, b], %{type: out.type})
+
+  defp indexing_block(%LinAlg.Determinant{}, %T{type: {k, _}} = out, [t]) when k != :c,
+    do: op(out, :determinant, [t], %{type: out.type})
+
+  defp indexing_block(%Nx.Block.FFT2{} = s, out, [t]),
+    do: op(out, :fft2, [t], %{axes: s.axes, lengths: s.lengths, eps: s.eps, type: out.type})
+
+  defp indexing_block(%Nx.Block.IFFT2{} = s, out, [t]),
+    do: op(out, :ifft2, [t], %{axes: s.axes, lengths: s.lengths, eps: s.eps, type: out.type})
+
+  defp indexing_block(%Nx.Block.RFFT{} = s, out, [t]),
+    do: op(out, :rfft, [t], %{axis: s.axis, length: s.length, eps: s.eps, type: out.type})
+
+  defp indexing_block(%Nx.Block.IRFFT{} = s, out, [t]),
+    do: op(out, :irfft, [t], %{axis: s.axis, length: s.length, eps: s.eps, type: out.type})
 
   defp indexing_block(_struct, _output, _args), do: :default
 

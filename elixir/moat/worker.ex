@@ -22,6 +22,11 @@ defmodule Moat.Worker do
     * `:window` - unacknowledged fire-and-forget frames allowed in flight (1024)
     * `:chunk_bytes`, `:max_frame_bytes` - frame limits (64 MiB, 320 MiB)
     * `:hello_timeout` - how long to wait for the worker's handshake (15 s)
+    * `:debug` - debug checks, off by default (default from `config :moat, :debug`):
+      * `detect_non_finite: true` - every op evaluates its float results and
+        fails if they hold NaN or an infinity, so reading the result raises a
+        `Moat.Error` naming the op that produced it. Evaluating every op
+        forgoes MLX's lazy fusion: for debugging only.
   """
 
   use GenServer
@@ -69,7 +74,9 @@ defmodule Moat.Worker do
       "--chunk-bytes",
       "#{chunk}",
       "--max-frame-bytes",
-      "#{setting.(:max_frame_bytes, 320 * 1024 * 1024)}"
+      "#{setting.(:max_frame_bytes, 320 * 1024 * 1024)}",
+      "--detect-non-finite",
+      "#{Keyword.get(setting.(:debug, []), :detect_non_finite, false) == true}"
     ]
 
     path = Keyword.get(opts, :worker_path) || worker_path()

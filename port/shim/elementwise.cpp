@@ -71,5 +71,8 @@ MOAT_UNARY(imag)
 MOAT_UNARY(isnan)
 MOAT_UNARY(isinf)
 MOAT_UNARY(logical_not)
+MOAT_BINARY(floor_divide)
+MOAT_BINARY(remainder)
+MOAT_UNARY(isfinite)
 
 }  // extern "C"

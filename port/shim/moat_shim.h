@@ -82,6 +82,12 @@ int moat_full(const int32_t* shape, size_t ndim, const moat_array* value, int dt
               moat_array** out);
 int moat_arange(double start, double stop, double step, int dtype, moat_array** out);
 int moat_eye(int n, int m, int k, int dtype, moat_array** out);
+int moat_pad(const moat_array* a, const int32_t* low, const int32_t* high, size_t ndim,
+             const moat_array* value, moat_array** out);
+int moat_as_strided(const moat_array* a, const int32_t* shape, const int64_t* strides,
+                    size_t ndim, size_t offset, moat_array** out);
+int moat_tril(const moat_array* a, int k, moat_array** out);
+int moat_triu(const moat_array* a, int k, moat_array** out);
 
 // -- element-wise (elementwise.cpp)
 int moat_add(const moat_array* a, const moat_array* b, moat_array** out);
@@ -139,6 +145,9 @@ int moat_imag(const moat_array* a, moat_array** out);
 int moat_isnan(const moat_array* a, moat_array** out);
 int moat_isinf(const moat_array* a, moat_array** out);
 int moat_logical_not(const moat_array* a, moat_array** out);
+int moat_floor_divide(const moat_array* a, const moat_array* b, moat_array** out);
+int moat_remainder(const moat_array* a, const moat_array* b, moat_array** out);
+int moat_isfinite(const moat_array* a, moat_array** out);
 
 // -- reductions, cumulative ops and sorting (reduction.cpp)
 int moat_sum(const moat_array* a, const int32_t* axes, size_t naxes, int keepdims,
@@ -165,13 +174,51 @@ int moat_sort(const moat_array* a, int axis, moat_array** out);
 int moat_argsort(const moat_array* a, int axis, moat_array** out);
 
 // -- indexing (indexing.cpp)
+// MLX does not bounds-check indices: callers check them first.
+int moat_take(const moat_array* a, const moat_array* indices, int axis, moat_array** out);
+int moat_take_along_axis(const moat_array* a, const moat_array* indices, int axis,
+                         moat_array** out);
+int moat_scatter(const moat_array* a, const moat_array* indices, const moat_array* updates,
+                 int axis, moat_array** out);
+int moat_scatter_add(const moat_array* a, const moat_array* indices,
+                     const moat_array* updates, int axis, moat_array** out);
+int moat_slice_dynamic(const moat_array* a, const moat_array* start, const int32_t* axes,
+                       const int32_t* sizes, size_t n, moat_array** out);
+int moat_slice_update_dynamic(const moat_array* src, const moat_array* update,
+                              const moat_array* start, const int32_t* axes, size_t n,
+                              moat_array** out);
 
 // -- linear algebra (linalg.cpp)
 int moat_matmul(const moat_array* a, const moat_array* b, moat_array** out);
+// Decompositions run on the CPU stream (MLX has no GPU kernels for them).
+// outs[] receives the listed factors in order.
+int moat_qr(const moat_array* a, moat_array** outs /* q, r */);
+int moat_svd(const moat_array* a, moat_array** outs /* u, s, vt */);
+int moat_eigh(const moat_array* a, moat_array** outs /* eigenvalues, eigenvectors */);
+int moat_lu(const moat_array* a, moat_array** outs /* row pivots, l, u */);
+int moat_cholesky(const moat_array* a, int upper, moat_array** out);
+int moat_solve(const moat_array* a, const moat_array* b, moat_array** out);
+int moat_solve_triangular(const moat_array* a, const moat_array* b, int upper,
+                          moat_array** out);
+int moat_inv(const moat_array* a, moat_array** out);
 
 // -- windows and convolution (window.cpp)
+// input [N, spatial..., C], weight [O, spatial..., C / groups]; n spatial dims.
+int moat_conv_general(const moat_array* input, const moat_array* weight, const int32_t* strides,
+                      const int32_t* pad_lo, const int32_t* pad_hi,
+                      const int32_t* kernel_dilation, const int32_t* input_dilation, size_t n,
+                      int groups, moat_array** out);
 
 // -- fft (fft.cpp)
+// Over `axes` with lengths `n` (each pads or truncates), unnormalised forward.
+int moat_fftn(const moat_array* a, const int32_t* n, const int32_t* axes, size_t k,
+              moat_array** out);
+int moat_ifftn(const moat_array* a, const int32_t* n, const int32_t* axes, size_t k,
+               moat_array** out);
+int moat_rfftn(const moat_array* a, const int32_t* n, const int32_t* axes, size_t k,
+               moat_array** out);
+int moat_irfftn(const moat_array* a, const int32_t* n, const int32_t* axes, size_t k,
+                moat_array** out);
 
 #ifdef __cplusplus
 }

@@ -69,4 +69,28 @@ int moat_where(const moat_array* cond, const moat_array* a, const moat_array* b,
   return produce(out, [&] { return mx::where(arr(cond), arr(a), arr(b)); });
 }
 
+int moat_pad(const moat_array* a, const int32_t* low, const int32_t* high, size_t ndim,
+             const moat_array* value, moat_array** out) {
+  return produce(out, [&] {
+    std::vector<int> axes(ndim);
+    for (size_t i = 0; i < ndim; ++i) axes[i] = static_cast<int>(i);
+    return mx::pad(arr(a), axes, to_shape(low, ndim), to_shape(high, ndim), arr(value));
+  });
+}
+
+int moat_as_strided(const moat_array* a, const int32_t* shape, const int64_t* strides,
+                    size_t ndim, size_t offset, moat_array** out) {
+  return produce(out, [&] {
+    return mx::as_strided(arr(a), to_shape(shape, ndim), mx::Strides(strides, strides + ndim), offset);
+  });
+}
+
+int moat_tril(const moat_array* a, int k, moat_array** out) {
+  return produce(out, [&] { return mx::tril(arr(a), k); });
+}
+
+int moat_triu(const moat_array* a, int k, moat_array** out) {
+  return produce(out, [&] { return mx::triu(arr(a), k); });
+}
+
 }  // extern "C"

@@ -2,6 +2,7 @@
 //! requests on fd 3 and writes replies on fd 4 (see protocol.md).
 
 use crossbeam_channel::bounded;
+use moat_port::checks::Checks;
 use moat_port::connection::{read_loop, write_loop, Outgoing};
 use moat_port::frame::Limits;
 use moat_port::mlx::{self, Device};
@@ -17,16 +18,18 @@ use std::thread;
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 const USAGE: &str = "usage: moat_port [--generation N] [--log-level error|warn|info|debug|trace] \
-                     [--chunk-bytes N] [--max-frame-bytes N]";
+                     [--chunk-bytes N] [--max-frame-bytes N] [--detect-non-finite true|false]";
 
 struct Options {
     generation: u64,
+    checks: Checks,
     log_level: log::LevelFilter,
     limits: Limits,
 }
 
 fn parse_args() -> Result<Options, String> {
-    let mut opts = Options { generation: 1, log_level: log::LevelFilter::Warn, limits: Limits::default() };
+    let mut opts =
+        Options { generation: 1, checks: Checks::default(), log_level: log::LevelFilter::Warn, limits: Limits::default() };
     let mut args = std::env::args().skip(1);
     while let Some(flag) = args.next() {
         let value = args.next().ok_or_else(|| format!("{flag} needs a value"))?;
@@ -36,6 +39,9 @@ fn parse_args() -> Result<Options, String> {
             "--log-level" => opts.log_level = value.parse().map_err(|_| format!("bad log level {value}"))?,
             "--chunk-bytes" => opts.limits.chunk_bytes = number()?.max(1) as usize,
             "--max-frame-bytes" => opts.limits.max_frame_bytes = number()? as usize,
+            "--detect-non-finite" => {
+                opts.checks.detect_non_finite = value.parse().map_err(|_| format!("{flag}: not true or false: {value}"))?
+            }
             _ => return Err(format!("unknown option {flag}")),
         }
     }
@@ -91,7 +97,7 @@ fn main() {
     if let Err(e) = Device::Cpu.make_default() {
         log::error!("cannot select the CPU device: {e}");
     }
-    Session::new(opts.generation, out_tx).run(in_rx);
+    Session::new(opts.generation, out_tx).with_checks(opts.checks).run(in_rx);
 }
 
 fn hello(opts: &Options) -> Term {

@@ -1,6 +1,7 @@
 //! The thread that owns the MLX stream: it runs every request in arrival
 //! order, keeps the registry, and acknowledges progress.
 
+use crate::checks::Checks;
 use crate::connection::{Incoming, Outgoing, Upload};
 use crate::mlx::{self, Array};
 use crate::ops;
@@ -15,6 +16,7 @@ const ACK_EVERY: u64 = 64;
 
 pub struct Session {
     generation: u64,
+    checks: Checks,
     registry: Registry,
     out: Sender<Outgoing>,
     processed: u64,
@@ -23,7 +25,13 @@ pub struct Session {
 
 impl Session {
     pub fn new(generation: u64, out: Sender<Outgoing>) -> Session {
-        Session { generation, registry: Registry::default(), out, processed: 0, acked: 0 }
+        Session { generation, checks: Checks::default(), registry: Registry::default(), out, processed: 0, acked: 0 }
+    }
+
+    /// The checks applied to every op's outputs (see `checks`).
+    pub fn with_checks(mut self, checks: Checks) -> Session {
+        self.checks = checks;
+        self
     }
 
     /// Serves until the reader hangs up.
@@ -129,7 +137,9 @@ impl Session {
         }
         let outputs = match self.registry.inputs(&req.ins, &req.op) {
             Err(failure) => Err(failure),
-            Ok(inputs) => builder(&inputs, &req.attrs).map_err(|m| Failure::new(&req.op, format!("{}: {m}", req.op))),
+            Ok(inputs) => builder(&inputs, &req.attrs)
+                .and_then(|arrays| self.checks.outputs(&arrays).map(|()| arrays))
+                .map_err(|m| Failure::new(&req.op, format!("{}: {m}", req.op))),
         };
         match outputs {
             Ok(arrays) if arrays.len() == req.outs.len() => {

@@ -27,6 +27,29 @@ impl Array {
         Ok(Array { raw })
     }
 
+    /// Takes ownership of a handle a multi-output shim call wrote.
+    pub(super) fn adopt(raw: *mut ffi::moat_array) -> Result<Array> {
+        if raw.is_null() {
+            return Err(Error::new("MLX returned no array"));
+        }
+        Ok(Array { raw })
+    }
+
+    /// A new array holding a copy of `values` (row-major) with the given shape.
+    pub fn from_values<T: Element>(values: &[T], shape: &[i32]) -> Result<Array> {
+        let bytes = std::mem::size_of_val(values);
+        let mut buffer = Buffer::alloc(bytes)?;
+        // SAFETY: `values` is `bytes` bytes of plain numbers.
+        let src = unsafe { std::slice::from_raw_parts(values.as_ptr() as *const u8, bytes) };
+        buffer.as_mut_slice().copy_from_slice(src);
+        buffer.into_array(shape, T::DTYPE)
+    }
+
+    /// A 0-d array.
+    pub fn scalar<T: Element>(value: T) -> Result<Array> {
+        Array::from_values(&[value], &[])
+    }
+
     pub(super) fn raw(&self) -> *mut ffi::moat_array {
         self.raw
     }
@@ -86,6 +109,20 @@ pub struct Evaluated {
 unsafe impl Send for Evaluated {}
 
 impl Evaluated {
+    /// The elements, when `T` is the array's element type.
+    pub fn values<T: Element>(&self) -> Option<&[T]> {
+        if self.array.dtype() != T::DTYPE {
+            return None;
+        }
+        let bytes = self.bytes();
+        if bytes.is_empty() {
+            return Some(&[]);
+        }
+        // SAFETY: MLX buffers are allocated with at least the alignment of any
+        // element type, and the bytes hold `len / size_of::<T>()` elements of T.
+        Some(unsafe { std::slice::from_raw_parts(bytes.as_ptr() as *const T, bytes.len() / std::mem::size_of::<T>()) })
+    }
+
     pub fn bytes(&self) -> &[u8] {
         let n = self.array.nbytes();
         if n == 0 {
@@ -159,3 +196,18 @@ impl Buffer {
         })
     }
 }
+
+/// Plain numbers that MLX holds under a fixed dtype.
+pub trait Element: Copy + 'static {
+    const DTYPE: Dtype;
+}
+
+macro_rules! element {
+    ($($t:ty => $d:ident),* $(,)?) => {$(
+        impl Element for $t {
+            const DTYPE: Dtype = Dtype::$d;
+        }
+    )*};
+}
+
+element! { u8 => U8, u32 => U32, u64 => U64, i32 => S32, i64 => S64, f32 => F32, f64 => F64 }

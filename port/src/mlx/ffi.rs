@@ -78,6 +78,17 @@ extern "C" {
     pub fn moat_full(shape: *const i32, ndim: usize, value: *const moat_array, dtype: c_int, out: *mut *mut moat_array) -> c_int;
     pub fn moat_arange(start: f64, stop: f64, step: f64, dtype: c_int, out: *mut *mut moat_array) -> c_int;
     pub fn moat_eye(n: c_int, m: c_int, k: c_int, dtype: c_int, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_pad(a: *const moat_array, low: *const i32, high: *const i32, ndim: usize, value: *const moat_array, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_as_strided(
+        a: *const moat_array,
+        shape: *const i32,
+        strides: *const i64,
+        ndim: usize,
+        offset: usize,
+        out: *mut *mut moat_array,
+    ) -> c_int;
+    pub fn moat_tril(a: *const moat_array, k: c_int, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_triu(a: *const moat_array, k: c_int, out: *mut *mut moat_array) -> c_int;
 
     // -- element-wise
     pub fn moat_add(a: *const moat_array, b: *const moat_array, out: *mut *mut moat_array) -> c_int;
@@ -135,6 +146,9 @@ extern "C" {
     pub fn moat_isnan(a: *const moat_array, out: *mut *mut moat_array) -> c_int;
     pub fn moat_isinf(a: *const moat_array, out: *mut *mut moat_array) -> c_int;
     pub fn moat_logical_not(a: *const moat_array, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_floor_divide(a: *const moat_array, b: *const moat_array, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_remainder(a: *const moat_array, b: *const moat_array, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_isfinite(a: *const moat_array, out: *mut *mut moat_array) -> c_int;
 
     // -- reductions, cumulative ops and sorting
     pub fn moat_sum(
@@ -159,11 +173,55 @@ extern "C" {
     pub fn moat_argsort(a: *const moat_array, axis: c_int, out: *mut *mut moat_array) -> c_int;
 
     // -- indexing
+    pub fn moat_take(a: *const moat_array, indices: *const moat_array, axis: c_int, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_take_along_axis(a: *const moat_array, indices: *const moat_array, axis: c_int, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_scatter(a: *const moat_array, indices: *const moat_array, updates: *const moat_array, axis: c_int, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_scatter_add(a: *const moat_array, indices: *const moat_array, updates: *const moat_array, axis: c_int, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_slice_dynamic(
+        a: *const moat_array,
+        start: *const moat_array,
+        axes: *const i32,
+        sizes: *const i32,
+        n: usize,
+        out: *mut *mut moat_array,
+    ) -> c_int;
+    pub fn moat_slice_update_dynamic(
+        src: *const moat_array,
+        update: *const moat_array,
+        start: *const moat_array,
+        axes: *const i32,
+        n: usize,
+        out: *mut *mut moat_array,
+    ) -> c_int;
 
     // -- linear algebra
     pub fn moat_matmul(a: *const moat_array, b: *const moat_array, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_qr(a: *const moat_array, outs: *mut *mut moat_array) -> c_int;
+    pub fn moat_svd(a: *const moat_array, outs: *mut *mut moat_array) -> c_int;
+    pub fn moat_eigh(a: *const moat_array, outs: *mut *mut moat_array) -> c_int;
+    pub fn moat_lu(a: *const moat_array, outs: *mut *mut moat_array) -> c_int;
+    pub fn moat_cholesky(a: *const moat_array, upper: c_int, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_solve(a: *const moat_array, b: *const moat_array, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_solve_triangular(a: *const moat_array, b: *const moat_array, upper: c_int, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_inv(a: *const moat_array, out: *mut *mut moat_array) -> c_int;
 
     // -- windows and convolution
+    pub fn moat_conv_general(
+        input: *const moat_array,
+        weight: *const moat_array,
+        strides: *const i32,
+        pad_lo: *const i32,
+        pad_hi: *const i32,
+        kernel_dilation: *const i32,
+        input_dilation: *const i32,
+        n: usize,
+        groups: c_int,
+        out: *mut *mut moat_array,
+    ) -> c_int;
 
     // -- fft
+    pub fn moat_fftn(a: *const moat_array, n: *const i32, axes: *const i32, k: usize, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_ifftn(a: *const moat_array, n: *const i32, axes: *const i32, k: usize, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_rfftn(a: *const moat_array, n: *const i32, axes: *const i32, k: usize, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_irfftn(a: *const moat_array, n: *const i32, axes: *const i32, k: usize, out: *mut *mut moat_array) -> c_int;
 }

@@ -9,7 +9,7 @@ mod dtype;
 mod ffi;
 pub mod ops;
 
-pub use array::{Array, Buffer, Evaluated};
+pub use array::{Array, Buffer, Element, Evaluated};
 pub use dtype::Dtype;
 
 use std::ffi::CStr;
@@ -37,6 +37,13 @@ impl Error {
 }
 
 pub type Result<T> = std::result::Result<T, Error>;
+
+/// Builders report failures as strings; `?` converts.
+impl From<Error> for String {
+    fn from(e: Error) -> String {
+        e.message
+    }
+}
 
 fn check(code: c_int) -> Result<()> {
     if code == ffi::MOAT_OK {

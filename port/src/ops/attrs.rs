@@ -18,6 +18,18 @@ pub fn ints(t: &Term) -> Result<Vec<i32>, AttrError> {
     t.as_list().ok_or_else(|| format!("expected a list of integers, got {t}"))?.iter().map(int).collect()
 }
 
+pub fn float(t: &Term) -> Result<f64, AttrError> {
+    match t {
+        Term::Float(f) => Ok(*f),
+        Term::Int(i) => Ok(*i as f64),
+        _ => Err(format!("expected a number, got {t}")),
+    }
+}
+
+pub fn atom(t: &Term) -> Result<&str, AttrError> {
+    t.as_atom().ok_or_else(|| format!("expected an atom, got {t}"))
+}
+
 pub fn boolean(t: &Term) -> Result<bool, AttrError> {
     match t.as_atom() {
         Some("true") => Ok(true),

@@ -10,13 +10,18 @@
 //! that name the op.
 
 mod attrs;
+mod compose;
 mod convert;
 mod creation;
 mod elementwise;
+mod fft;
+mod indexing;
+mod integer;
 mod linalg;
 mod precise;
 mod reduction;
 mod shape;
+mod window;
 
 use crate::mlx::{ops, Array};
 use crate::term::Term;
@@ -67,8 +72,6 @@ const TABLE: &[(&str, Arity, Builder)] = &[
     ("broadcast", N(1), shape::broadcast),
     ("transpose", N(1), shape::transpose),
     ("reverse", N(1), shape::reverse),
-    ("slice", N(1), shape::slice),
-    ("put_slice", N(2), shape::put_slice),
     ("pad", N(2), shape::pad),
     ("concatenate", AtLeast(1), shape::concatenate),
     ("stack", AtLeast(1), shape::stack),
@@ -137,6 +140,12 @@ const TABLE: &[(&str, Arity, Builder)] = &[
     ("logical_not", N(1), elementwise::logical_not),
     ("phase", N(1), elementwise::phase),
     // reductions, cumulative ops and sorting
+    // integer arithmetic
+    ("quotient", N(2), integer::quotient),
+    ("remainder", N(2), integer::remainder),
+    ("population_count", N(1), integer::population_count),
+    ("count_leading_zeros", N(1), integer::count_leading_zeros),
+    // reductions
     ("sum", N(1), reduction::sum),
     ("product", N(1), reduction::product),
     ("reduce_max", N(1), reduction::reduce_max),
@@ -154,10 +163,39 @@ const TABLE: &[(&str, Arity, Builder)] = &[
     ("top_k", N(1), reduction::top_k),
     ("all_close", N(2), reduction::all_close),
     // indexing
+    ("gather", N(2), indexing::gather),
+    ("take", N(2), indexing::take),
+    ("take_along_axis", N(2), indexing::take_along_axis),
+    ("indexed_add", N(3), indexing::indexed_add),
+    ("indexed_put", N(3), indexing::indexed_put),
+    ("slice", AtLeast(1), indexing::slice),
+    ("put_slice", AtLeast(2), indexing::put_slice),
     // linear algebra
     ("matmul", N(2), linalg::matmul),
+    ("dot", N(2), linalg::dot),
+    ("triangular_solve", N(2), linalg::triangular_solve),
+    ("qr", N(1), linalg::qr),
+    ("cholesky", N(1), linalg::cholesky),
+    ("eigh", N(1), linalg::eigh),
+    ("svd", N(1), linalg::svd),
+    ("lu", N(1), linalg::lu),
+    ("solve", N(2), linalg::solve),
+    ("determinant", N(1), linalg::determinant),
     // windows and convolution
+    ("conv", N(2), window::conv),
+    ("window_sum", N(1), window::window_sum),
+    ("window_product", N(1), window::window_product),
+    ("window_max", N(1), window::window_max),
+    ("window_min", N(1), window::window_min),
+    ("window_scatter_max", N(3), window::window_scatter_max),
+    ("window_scatter_min", N(3), window::window_scatter_min),
     // fft
+    ("fft", N(1), fft::fft),
+    ("ifft", N(1), fft::ifft),
+    ("fft2", N(1), fft::fft2),
+    ("ifft2", N(1), fft::ifft2),
+    ("rfft", N(1), fft::rfft),
+    ("irfft", N(1), fft::irfft),
 ];
 
 pub fn builder(op: &str) -> Option<(Arity, Builder)> {

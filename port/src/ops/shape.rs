@@ -51,36 +51,6 @@ pub fn reverse(x: &[&Array], a: &Term) -> Outputs {
     finish(ops::flip(x[0], &axes), a)
 }
 
-/// Nx's slice: starts are clamped so that a window of `lengths` fits, and
-/// every `strides`-th element of the window is read.
-pub fn slice(x: &[&Array], a: &Term) -> Outputs {
-    let start = attrs::ints(attrs::field(a, "start")?)?;
-    let lengths = attrs::ints(attrs::field(a, "lengths")?)?;
-    let strides = attrs::ints(attrs::field(a, "strides")?)?;
-    let start = clamp_starts(&x[0].shape(), &start, &lengths)?;
-    let stop: Vec<i32> = start.iter().zip(&lengths).map(|(s, l)| s + l).collect();
-    finish(ops::slice(x[0], &start, &stop, &strides), a)
-}
-
-/// Nx's put_slice: `update` written into `x` at clamped starts, both in the
-/// output type.
-pub fn put_slice(x: &[&Array], a: &Term) -> Outputs {
-    let start = attrs::ints(attrs::field(a, "start")?)?;
-    let (src, update) = (to_out_type(x[0], a)?, to_out_type(x[1], a)?);
-    let lengths = update.shape();
-    let start = clamp_starts(&src.shape(), &start, &lengths)?;
-    let stop: Vec<i32> = start.iter().zip(&lengths).map(|(s, l)| s + l).collect();
-    let strides = vec![1; start.len()];
-    finish(ops::slice_update(&src, &update, &start, &stop, &strides), a)
-}
-
-fn clamp_starts(shape: &[i32], start: &[i32], lengths: &[i32]) -> std::result::Result<Vec<i32>, String> {
-    if start.len() != shape.len() || lengths.len() != shape.len() {
-        return Err(format!("start {start:?} and lengths {lengths:?} must have one entry per axis of {shape:?}"));
-    }
-    Ok(shape.iter().zip(start).zip(lengths).map(|((d, s), l)| (*s).max(0).min(d - l)).collect())
-}
-
 /// Nx's pad: per axis `[low, high, interior]`; negative low/high cut.
 pub fn pad(x: &[&Array], a: &Term) -> Outputs {
     let config = attrs::field(a, "config")?.as_list().ok_or("config must be a list")?;

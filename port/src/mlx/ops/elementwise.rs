@@ -23,6 +23,8 @@ binary! {
     less_equal => moat_less_equal,
     logical_and => moat_logical_and,
     logical_or => moat_logical_or,
+    floor_divide => moat_floor_divide,
+    remainder => moat_remainder,
 }
 
 unary! {
@@ -60,4 +62,5 @@ unary! {
     isnan => moat_isnan,
     isinf => moat_isinf,
     logical_not => moat_logical_not,
+    isfinite => moat_isfinite,
 }

@@ -4,15 +4,21 @@
 
 mod creation;
 mod elementwise;
+mod fft;
+mod indexing;
 mod linalg;
 mod reduction;
 mod shape;
+mod window;
 
 pub use creation::*;
 pub use elementwise::*;
+pub use fft::*;
+pub use indexing::*;
 pub use linalg::*;
 pub use reduction::*;
 pub use shape::*;
+pub use window::*;
 
 /// `fn name(a, b) -> Result<Array>` over `ffi::moat_name`.
 macro_rules! binary {

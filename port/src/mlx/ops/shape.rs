@@ -75,3 +75,31 @@ pub fn where_(cond: &Array, a: &Array, b: &Array) -> Result<Array> {
     // SAFETY: the three arrays are live for the call.
     Array::from_call(|out| unsafe { ffi::moat_where(cond.raw(), a.raw(), b.raw(), out) })
 }
+
+pub fn pad(a: &Array, low: &[i32], high: &[i32], value: &Array) -> Result<Array> {
+    if low.len() != high.len() {
+        return Err(Error::new("pad: low and high differ in length"));
+    }
+    // SAFETY: `a` and `value` are live; `low` and `high` hold `low.len()` elements.
+    Array::from_call(|out| unsafe { ffi::moat_pad(a.raw(), low.as_ptr(), high.as_ptr(), low.len(), value.raw(), out) })
+}
+
+pub fn as_strided(a: &Array, shape: &[i32], strides: &[i64], offset: usize) -> Result<Array> {
+    if shape.len() != strides.len() {
+        return Err(Error::new("as_strided: shape and strides differ in length"));
+    }
+    // SAFETY: `a` is live; `shape` and `strides` hold `shape.len()` elements.
+    Array::from_call(|out| unsafe {
+        ffi::moat_as_strided(a.raw(), shape.as_ptr(), strides.as_ptr(), shape.len(), offset, out)
+    })
+}
+
+pub fn tril(a: &Array, k: i32) -> Result<Array> {
+    // SAFETY: `a` is live for the call.
+    Array::from_call(|out| unsafe { ffi::moat_tril(a.raw(), k, out) })
+}
+
+pub fn triu(a: &Array, k: i32) -> Result<Array> {
+    // SAFETY: `a` is live for the call.
+    Array::from_call(|out| unsafe { ffi::moat_triu(a.raw(), k, out) })
+}

@@ -139,7 +139,7 @@ impl Session {
             Err(failure) => Err(failure),
             Ok(inputs) => builder(&inputs, &req.attrs)
                 .and_then(|arrays| self.checks.outputs(&arrays).map(|()| arrays))
-                .map_err(|m| Failure::new(&req.op, format!("{}: {m}", req.op))),
+                .map_err(|m| Failure::new(&req.op, m)),
         };
         match outputs {
             Ok(arrays) if arrays.len() == req.outs.len() => {

@@ -92,7 +92,7 @@ fn min_divided_by_minus_one_wraps_as_nx_does() {
     upload_s32(&mut w, 5, &[3], &[1, 0, 1]);
     w.request(0, "quotient", &[6], &[1, 5], map(vec![("type", s32())]));
     let (op, message) = error_parts(&w.read(3, 6).unwrap_err());
-    assert_eq!((op.as_str(), message.as_str()), ("quotient", "quotient: division by zero"));
+    assert_eq!((op.as_str(), message.as_str()), ("quotient", "division by zero"));
     w.close(Duration::from_secs(1));
 }
 

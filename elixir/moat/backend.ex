@@ -170,8 +170,9 @@ defmodule Moat.Backend do
 
   @impl true
   def from_binary(%T{shape: shape, type: type} = out, binary, opts) do
+    device = device!(worker(opts), opts)
     ref = Moat.from_binary(binary, shape, type, worker: worker(opts))
-    wrap(out, ref, opts)
+    wrap(out, ref, device)
   end
 
   @impl true
@@ -705,8 +706,22 @@ defmodule Moat.Backend do
 
   defp worker(opts), do: Keyword.get(opts, :worker, Moat.Worker)
 
-  defp wrap(out, %Ref{} = ref, opts) do
-    %{out | data: %__MODULE__{ref: ref, device: Keyword.get(opts, :device, :cpu)}}
+  defp wrap(out, %Ref{} = ref, device) do
+    %{out | data: %__MODULE__{ref: ref, device: device}}
+  end
+
+  # The device must be one the worker announced in its handshake.
+  defp device!(worker, opts) do
+    device = Keyword.get(opts, :device, :cpu)
+    devices = Client.conn(worker).info.devices
+
+    if device not in devices do
+      raise ArgumentError,
+            "Moat.Backend: device #{inspect(device)} is not available on worker #{inspect(worker)} " <>
+              "(it has #{inspect(devices)})"
+    end
+
+    device
   end
 
   defp ref(%T{data: %__MODULE__{ref: ref}}), do: ref
@@ -757,9 +772,10 @@ defmodule Moat.Backend do
 
   # Sends one op without inputs (creation) to the worker named in `opts`.
   defp create(%T{} = out, name, attrs, opts) do
+    device = device!(worker(opts), opts)
     conn = Client.conn(worker(opts))
     id = Client.new_id()
     Client.cast(conn, name, [id], [], attrs)
-    wrap(out, Client.ref(conn, id), opts)
+    wrap(out, Client.ref(conn, id), device)
   end
 end

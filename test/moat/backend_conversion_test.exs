@@ -70,4 +70,24 @@ defmodule Moat.BackendConversionTest do
     # Clamped so that the window fits, as in Nx.
     assert Nx.to_flat_list(Nx.slice(t, [4], [2])) == [3, 4]
   end
+
+  test "the device is checked against the worker's devices and carried per tensor" do
+    t = Nx.tensor([1.0, 2.0], backend: {Moat.Backend, device: :cpu})
+    assert %Moat.Backend{device: :cpu} = t.data
+    assert %Moat.Backend{device: :cpu} = Nx.add(t, t).data
+
+    unless :gpu in Moat.Worker.info().devices do
+      assert_raise ArgumentError, ~r/device :gpu is not available on worker Moat.Worker/, fn ->
+        Nx.tensor([1.0], backend: {Moat.Backend, device: :gpu})
+      end
+
+      assert_raise ArgumentError, ~r/device :gpu is not available/, fn ->
+        Nx.iota({3}, backend: {Moat.Backend, device: :gpu})
+      end
+    end
+
+    assert_raise ArgumentError, ~r/device :tpu is not available/, fn ->
+      Nx.tensor([1.0], backend: {Moat.Backend, device: :tpu})
+    end
+  end
 end

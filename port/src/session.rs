@@ -1,14 +1,17 @@
 //! The thread that owns the MLX stream: it runs every request in arrival
 //! order, keeps the registry, and acknowledges progress.
 
+use crate::budget::budget;
 use crate::connection::{Incoming, Outgoing, Upload};
-use crate::mlx::{self, Array};
+use crate::mlx::{self, memory, Array};
 use crate::ops;
 use crate::protocol::{self, Id, Malformed, Request};
 use crate::registry::{Failure, Registry};
 use crate::term::Term;
 use crossbeam_channel::{Receiver, Sender, TryRecvError};
 use std::rc::Rc;
+
+mod memory_calls;
 
 /// Requests between two unprompted acknowledgements.
 const ACK_EVERY: u64 = 64;
@@ -98,6 +101,9 @@ impl Session {
             "release" => req.ins.iter().for_each(|id| {
                 self.registry.release(*id);
             }),
+            "memory_info" | "reset_peak_memory" | "clear_cache" | "set_memory_limit" | "set_cache_limit" => {
+                self.memory_call(&req)
+            }
             _ => self.build(&req),
         }
     }
@@ -133,6 +139,10 @@ impl Session {
         };
         match outputs {
             Ok(arrays) if arrays.len() == req.outs.len() => {
+                let need = arrays.iter().map(|a| a.nbytes()).fold(0usize, usize::saturating_add);
+                if let Err(e) = budget().admit(need) {
+                    return self.fail(req.seq, &req.outs, Failure::new(&req.op, format!("{}: {e}", req.op)));
+                }
                 for (id, array) in req.outs.iter().zip(arrays) {
                     self.registry.insert(*id, array);
                 }
@@ -169,6 +179,11 @@ impl Session {
 
     fn to_binary(&mut self, req: &Request) {
         let result = self.single(req).and_then(|array| {
+            eval_within_budget(&[array], &req.op)?;
+            if !array.row_contiguous() {
+                // Reading back copies it into one dense block first.
+                budget().admit(array.nbytes()).map_err(|e| Failure::new(&req.op, format!("{}: {e}", req.op)))?;
+            }
             let evaluated = array.evaluate().map_err(|e| Failure::new(&req.op, e.message))?;
             let info = metadata(evaluated.array(), Some(evaluated.bytes().len()));
             Ok((info, evaluated))
@@ -187,7 +202,7 @@ impl Session {
         let result = self
             .registry
             .inputs(&req.ins, &req.op)
-            .and_then(|arrays| mlx::eval(&arrays).map_err(|e| Failure::new(&req.op, e.message)));
+            .and_then(|arrays| eval_within_budget(&arrays, &req.op));
         match result {
             Ok(()) => self.reply(req.seq, Term::atom("nil")),
             Err(failure) => self.fail(req.seq, &[], failure),
@@ -197,6 +212,12 @@ impl Session {
     fn async_eval(&mut self, req: &Request) {
         // Errors resurface at the next blocking call on these ids.
         if let Ok(arrays) = self.registry.inputs(&req.ins, &req.op) {
+            let fits = memory::pending_bytes(&arrays).map_err(|e| e.message).and_then(|need| {
+                budget().admit(need).map_err(|e| e.to_string())
+            });
+            if let Err(e) = fits {
+                return log::debug!("async_eval skipped: {e}");
+            }
             if let Err(e) = mlx::async_eval(&arrays) {
                 log::debug!("async_eval: {e}");
             }
@@ -212,6 +233,14 @@ impl Session {
             Err(failure) => self.fail(req.seq, &[], failure),
         }
     }
+}
+
+/// Evaluates `arrays` if what it would allocate fits the memory budget; the
+/// bytes stay reserved while it runs.
+fn eval_within_budget(arrays: &[&Array], op: &str) -> Result<(), Rc<Failure>> {
+    let need = memory::pending_bytes(arrays).map_err(|e| Failure::new(op, e.message))?;
+    let _held = budget().reserve(need).map_err(|e| Failure::new(op, format!("{op}: {e}")))?;
+    mlx::eval(arrays).map_err(|e| Failure::new(op, e.message))
 }
 
 fn metadata(array: &Array, bytes: Option<usize>) -> Term {

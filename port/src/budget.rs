@@ -1,0 +1,146 @@
+//! The worker's memory limit.
+//!
+//! MLX's CPU allocator ignores MLX's memory limit and returns NULL when
+//! malloc fails, and MLX then crashes. So the worker checks every allocation
+//! it can see coming against its own limit, before it happens:
+//!
+//! * an upload, before its buffer is allocated (reader thread);
+//! * each op's outputs, when the op is built (session thread);
+//! * a blocking call or `async_eval`, before it evaluates: the output bytes
+//!   of every not-yet-evaluated node the evaluation would compute
+//!   (`mlx::memory::pending_bytes`), reserved while it runs.
+//!
+//! A request that does not fit fails with a message naming the sizes, and the
+//! worker keeps serving. The limit covers results (every array MLX would
+//! allocate), not scratch space inside a kernel; views count at their logical
+//! size. The budget is process-wide, like MLX's allocator.
+
+use crate::mlx::memory;
+use std::fmt;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::OnceLock;
+
+pub struct Budget {
+    limit: AtomicUsize,
+    cache_limit: AtomicUsize,
+    /// Bytes an evaluation in progress may still allocate.
+    reserved: AtomicUsize,
+}
+
+/// A request that would take the worker past its memory limit.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Exceeded {
+    pub need: usize,
+    pub in_use: usize,
+    pub limit: usize,
+}
+
+impl fmt::Display for Exceeded {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "memory limit exceeded: needs {}, {} in use, limit {} (Moat.set_memory_limit/1)",
+            human(self.need),
+            human(self.in_use),
+            human(self.limit)
+        )
+    }
+}
+
+/// Holds bytes of the budget while an evaluation allocates them.
+pub struct Reservation(usize);
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        budget().reserved.fetch_sub(self.0, Ordering::AcqRel);
+    }
+}
+
+/// The worker's budget. Its limit starts at MLX's default memory limit and
+/// its cache limit at MLX's default, which is the memory limit.
+pub fn budget() -> &'static Budget {
+    static BUDGET: OnceLock<Budget> = OnceLock::new();
+    BUDGET.get_or_init(|| {
+        let limit = memory::limit();
+        Budget { limit: AtomicUsize::new(limit), cache_limit: AtomicUsize::new(limit), reserved: AtomicUsize::new(0) }
+    })
+}
+
+impl Budget {
+    pub fn limit(&self) -> usize {
+        self.limit.load(Ordering::Acquire)
+    }
+
+    pub fn cache_limit(&self) -> usize {
+        self.cache_limit.load(Ordering::Acquire)
+    }
+
+    /// Sets the limit (MLX's too, which MLX's GPU allocator enforces);
+    /// returns the previous one.
+    pub fn set_limit(&self, bytes: usize) -> crate::mlx::Result<usize> {
+        memory::set_limit(bytes)?;
+        Ok(self.limit.swap(bytes, Ordering::AcqRel))
+    }
+
+    pub fn set_cache_limit(&self, bytes: usize) -> crate::mlx::Result<usize> {
+        memory::set_cache_limit(bytes)?;
+        Ok(self.cache_limit.swap(bytes, Ordering::AcqRel))
+    }
+
+    /// Checks that `need` more bytes fit under the limit, next to the live
+    /// buffers and any reservation. When they fit only without MLX's cache,
+    /// the cache is cleared first.
+    pub fn admit(&self, need: usize) -> Result<(), Exceeded> {
+        let limit = self.limit();
+        let in_use = memory::active().saturating_add(self.reserved.load(Ordering::Acquire));
+        let total = in_use.saturating_add(need);
+        if total > limit {
+            return Err(Exceeded { need, in_use, limit });
+        }
+        if total.saturating_add(memory::cache()) > limit {
+            // Freed buffers would otherwise keep the process above the limit.
+            let _ = memory::clear_cache();
+        }
+        Ok(())
+    }
+
+    /// `admit`, then holds `need` bytes until the reservation drops.
+    pub fn reserve(&self, need: usize) -> Result<Reservation, Exceeded> {
+        self.admit(need)?;
+        self.reserved.fetch_add(need, Ordering::AcqRel);
+        Ok(Reservation(need))
+    }
+}
+
+fn human(bytes: usize) -> String {
+    const UNITS: [&str; 5] = ["bytes", "KiB", "MiB", "GiB", "TiB"];
+    let mut value = bytes as f64;
+    let mut unit = 0;
+    while value >= 1024.0 && unit < UNITS.len() - 1 {
+        value /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{bytes} bytes")
+    } else {
+        format!("{value:.1} {}", UNITS[unit])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_read_as_people_write_them() {
+        assert_eq!(human(512), "512 bytes");
+        assert_eq!(human(4 << 20), "4.0 MiB");
+        assert_eq!(human(3 << 29), "1.5 GiB");
+    }
+
+    #[test]
+    fn the_message_names_need_use_and_limit() {
+        let e = Exceeded { need: 8 << 20, in_use: 1 << 20, limit: 4 << 20 };
+        assert_eq!(e.to_string(), "memory limit exceeded: needs 8.0 MiB, 1.0 MiB in use, limit 4.0 MiB (Moat.set_memory_limit/1)");
+    }
+}

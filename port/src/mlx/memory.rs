@@ -1,0 +1,114 @@
+//! MLX's allocator statistics and limits, and the size of what evaluating a
+//! lazy graph would allocate.
+
+use super::{check, ffi, Array, Result};
+use std::collections::HashSet;
+
+/// Bytes in live buffers (evaluated arrays and uploads), without the cache.
+pub fn active() -> usize {
+    // SAFETY: reads the allocator's counters; no arguments.
+    unsafe { ffi::moat_active_memory() }
+}
+
+/// The largest `active()` seen since start or the last `reset_peak()`.
+pub fn peak() -> usize {
+    // SAFETY: as above.
+    unsafe { ffi::moat_peak_memory() }
+}
+
+/// Freed buffers MLX keeps for reuse.
+pub fn cache() -> usize {
+    // SAFETY: as above.
+    unsafe { ffi::moat_cache_memory() }
+}
+
+/// MLX's own memory limit (advisory on the CPU: its allocator ignores it).
+pub fn limit() -> usize {
+    // SAFETY: as above.
+    unsafe { ffi::moat_memory_limit() }
+}
+
+pub fn reset_peak() -> Result<()> {
+    // SAFETY: no arguments.
+    check(unsafe { ffi::moat_reset_peak_memory() })
+}
+
+/// Sets MLX's memory limit; returns the previous one.
+pub fn set_limit(bytes: usize) -> Result<usize> {
+    let mut previous = 0;
+    // SAFETY: `previous` is a valid out-pointer for the call.
+    check(unsafe { ffi::moat_set_memory_limit(bytes, &mut previous) })?;
+    Ok(previous)
+}
+
+/// Sets how much freed memory MLX may keep cached; returns the previous limit.
+pub fn set_cache_limit(bytes: usize) -> Result<usize> {
+    let mut previous = 0;
+    // SAFETY: `previous` is a valid out-pointer for the call.
+    check(unsafe { ffi::moat_set_cache_limit(bytes, &mut previous) })?;
+    Ok(previous)
+}
+
+pub fn clear_cache() -> Result<()> {
+    // SAFETY: no arguments.
+    check(unsafe { ffi::moat_clear_cache() })
+}
+
+impl Array {
+    /// True until the array's evaluation has been scheduled: it owns no
+    /// memory yet.
+    pub fn unscheduled(&self) -> bool {
+        // SAFETY: `self.raw()` is live.
+        unsafe { ffi::moat_array_unscheduled(self.raw()) == 1 }
+    }
+
+    /// True when the array's elements are one dense row-major block (reading
+    /// it back needs no copy). Meaningful once evaluated.
+    pub fn row_contiguous(&self) -> bool {
+        // SAFETY: `self.raw()` is live.
+        unsafe { ffi::moat_array_row_contiguous(self.raw()) == 1 }
+    }
+
+    /// The identity of the graph node (handles to one node share it).
+    fn node_id(&self) -> usize {
+        // SAFETY: `self.raw()` is live.
+        unsafe { ffi::moat_array_id(self.raw()) }
+    }
+
+    fn inputs(&self) -> Result<Vec<Array>> {
+        // SAFETY: `self.raw()` is live and `i` is below the input count.
+        let n = unsafe { ffi::moat_array_num_inputs(self.raw()) };
+        (0..n).map(|i| Array::from_call(|out| unsafe { ffi::moat_array_input(self.raw(), i, out) })).collect()
+    }
+
+    fn siblings(&self) -> Result<Vec<Array>> {
+        // SAFETY: `self.raw()` is live and `i` is below the sibling count.
+        let n = unsafe { ffi::moat_array_num_siblings(self.raw()) };
+        (0..n).map(|i| Array::from_call(|out| unsafe { ffi::moat_array_sibling(self.raw(), i, out) })).collect()
+    }
+}
+
+/// The most that evaluating `arrays` allocates for results: the output bytes
+/// of every unscheduled node reachable from them (the outputs of
+/// multi-output nodes included), each node counted once. Views such as
+/// broadcasts count at their logical size, and MLX may reuse an input's
+/// buffer for an output, so the real figure is usually lower; scratch space
+/// inside a kernel is not included.
+pub fn pending_bytes(arrays: &[&Array]) -> Result<usize> {
+    let mut seen = HashSet::new();
+    let mut stack: Vec<Array> = arrays.iter().map(|a| a.share()).collect::<Result<_>>()?;
+    let mut total = 0usize;
+    while let Some(node) = stack.pop() {
+        if !node.unscheduled() || !seen.insert(node.node_id()) {
+            continue;
+        }
+        total = total.saturating_add(node.nbytes());
+        for sibling in node.siblings()? {
+            if seen.insert(sibling.node_id()) {
+                total = total.saturating_add(sibling.nbytes());
+            }
+        }
+        stack.extend(node.inputs()?);
+    }
+    Ok(total)
+}

@@ -79,16 +79,7 @@ defmodule Moat.Backend do
   end
 
   @impl true
-  def backend_deallocate(%T{data: %__MODULE__{ref: %Ref{} = ref}}) do
-    conn = Client.conn(ref.worker)
-
-    if conn.generation == ref.generation do
-      Client.cast(conn, :release, [], [ref.id], nil)
-      :ok
-    else
-      :already_deallocated
-    end
-  end
+  def backend_deallocate(%T{data: %__MODULE__{ref: %Ref{} = ref}}), do: Moat.deallocate(ref)
 
   ## Shape and type
 

@@ -112,6 +112,35 @@ impl Budget {
     }
 }
 
+/// Watches the live buffers for the client's garbage collector.
+///
+/// A tensor handle is a few words on the BEAM's heap, so a process can drop
+/// gigabytes of tensors without its heap growing enough to collect. The
+/// worker therefore reports `{:memory_pressure, active}` whenever its live
+/// buffers grow by half since their last low point (by at least
+/// `MIN_STEP`), and the client collects the processes that create tensors.
+#[derive(Default)]
+pub struct Pressure {
+    low: usize,
+}
+
+impl Pressure {
+    pub const MIN_STEP: usize = 16 << 20;
+
+    /// `Some(active)` when it is time to report.
+    pub fn observe(&mut self, active: usize) -> Option<usize> {
+        self.low = self.low.min(active);
+        let threshold = self.low.saturating_add((self.low / 2).max(Self::MIN_STEP));
+        if active > threshold {
+            // Counts again from here; releases bring the low point down.
+            self.low = active;
+            Some(active)
+        } else {
+            None
+        }
+    }
+}
+
 fn human(bytes: usize) -> String {
     const UNITS: [&str; 5] = ["bytes", "KiB", "MiB", "GiB", "TiB"];
     let mut value = bytes as f64;
@@ -136,6 +165,24 @@ mod tests {
         assert_eq!(human(512), "512 bytes");
         assert_eq!(human(4 << 20), "4.0 MiB");
         assert_eq!(human(3 << 29), "1.5 GiB");
+    }
+
+    #[test]
+    fn pressure_is_reported_after_growing_by_half_since_the_low_point() {
+        const MIB: usize = 1 << 20;
+        let mut p = Pressure::default();
+        assert_eq!(p.observe(10 * MIB), None, "below the minimum step");
+        assert_eq!(p.observe(17 * MIB), Some(17 * MIB));
+        assert_eq!(p.observe(30 * MIB), None);
+        assert_eq!(p.observe(34 * MIB), Some(34 * MIB));
+        // Releases bring it down to 20 MiB: the next report comes past 36.
+        assert_eq!(p.observe(20 * MIB), None);
+        assert_eq!(p.observe(36 * MIB), None);
+        assert_eq!(p.observe(37 * MIB), Some(37 * MIB));
+        // Past the minimum step, growth by half counts.
+        assert_eq!(p.observe(100 * MIB), Some(100 * MIB));
+        assert_eq!(p.observe(150 * MIB), None);
+        assert_eq!(p.observe(151 * MIB), Some(151 * MIB));
     }
 
     #[test]

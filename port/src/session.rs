@@ -1,7 +1,7 @@
 //! The thread that owns the MLX stream: it runs every request in arrival
 //! order, keeps the registry, and acknowledges progress.
 
-use crate::budget::budget;
+use crate::budget::{budget, Pressure};
 use crate::connection::{Incoming, Outgoing, Upload};
 use crate::mlx::{self, memory, Array};
 use crate::ops;
@@ -22,11 +22,12 @@ pub struct Session {
     out: Sender<Outgoing>,
     processed: u64,
     acked: u64,
+    pressure: Pressure,
 }
 
 impl Session {
     pub fn new(generation: u64, out: Sender<Outgoing>) -> Session {
-        Session { generation, registry: Registry::default(), out, processed: 0, acked: 0 }
+        Session { generation, registry: Registry::default(), out, processed: 0, acked: 0, pressure: Pressure::default() }
     }
 
     /// Serves until the reader hangs up.
@@ -44,6 +45,9 @@ impl Session {
                 Err(TryRecvError::Disconnected) => return,
             };
             self.handle(msg);
+            if let Some(active) = self.pressure.observe(memory::active()) {
+                self.send(Outgoing::Frame(protocol::memory_pressure(active)));
+            }
             self.processed += 1;
             if self.processed - self.acked >= ACK_EVERY {
                 self.ack();

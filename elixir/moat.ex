@@ -61,8 +61,11 @@ defmodule Moat do
   when memory runs out, so the worker checks before it allocates: an upload
   that does not fit is refused, an op whose result does not fit fails when
   it is built, and a blocking call first adds up every result its evaluation
-  would compute (the whole lazy chain) and raises `Moat.Error` if they do not
-  fit. The worker survives all three and serves the next call. The limit
+  would compute (the whole lazy chain). A chain too long to fit at once is
+  evaluated in steps that each fit, as MLX frees the intermediates that no
+  live tensor holds; if the results that must stay do not fit, the call
+  raises `Moat.Error`. The worker survives all three and serves the next
+  call. The limit
   bounds result buffers: views such as broadcasts count at their full size,
   and a kernel's scratch space is not counted. Freed buffers are cached for
   reuse, up to the cache limit (`set_cache_limit/2`); the cache is cleared

@@ -6,16 +6,18 @@
 //!
 //! * an upload, before its buffer is allocated (reader thread);
 //! * each op's outputs, when the op is built (session thread);
-//! * a blocking call or `async_eval`, before it evaluates: the output bytes
-//!   of every not-yet-evaluated node the evaluation would compute
-//!   (`mlx::memory::pending_bytes`), reserved while it runs.
+//! * an evaluation (`evaluate`), before it runs: the output bytes of every
+//!   not-yet-evaluated node it would compute (`mlx::memory::pending`),
+//!   reserved while it runs. A lazy chain too long to fit at once is
+//!   evaluated in steps that each fit, so that what MLX frees between steps
+//!   (intermediates nothing holds) makes room for the next.
 //!
 //! A request that does not fit fails with a message naming the sizes, and the
 //! worker keeps serving. The limit covers results (every array MLX would
 //! allocate), not scratch space inside a kernel; views count at their logical
 //! size. The budget is process-wide, like MLX's allocator.
 
-use crate::mlx::memory;
+use crate::mlx::{self, memory, Array};
 use std::fmt;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::OnceLock;
@@ -104,12 +106,69 @@ impl Budget {
         Ok(())
     }
 
+    /// Bytes that still fit under the limit.
+    pub fn room(&self) -> usize {
+        let in_use = memory::active().saturating_add(self.reserved.load(Ordering::Acquire));
+        self.limit().saturating_sub(in_use)
+    }
+
     /// `admit`, then holds `need` bytes until the reservation drops.
     pub fn reserve(&self, need: usize) -> Result<Reservation, Exceeded> {
         self.admit(need)?;
         self.reserved.fetch_add(need, Ordering::AcqRel);
         Ok(Reservation(need))
     }
+}
+
+/// Why an evaluation did not happen.
+#[derive(Debug)]
+pub enum EvalError {
+    Exceeded(Exceeded),
+    Mlx(mlx::Error),
+}
+
+impl fmt::Display for EvalError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            EvalError::Exceeded(e) => e.fmt(f),
+            EvalError::Mlx(e) => e.fmt(f),
+        }
+    }
+}
+
+/// Evaluates `arrays` within the limit: at once when everything it would
+/// compute fits, otherwise in steps along the graph, each evaluating the
+/// nodes that fit in the room left. A single node that does not fit fails
+/// it, and so does a step that leaves too little room for the next.
+pub fn evaluate(arrays: &[&Array]) -> Result<(), EvalError> {
+    let pending = memory::pending(arrays).map_err(EvalError::Mlx)?;
+    let need = pending.iter().fold(0usize, |sum, p| sum.saturating_add(p.bytes));
+    if let Ok(_held) = budget().reserve(need) {
+        return mlx::eval(arrays).map_err(EvalError::Mlx);
+    }
+    let mut step: Vec<Array> = Vec::new();
+    let mut step_bytes = 0usize;
+    for p in pending {
+        if !step.is_empty() && step_bytes.saturating_add(p.bytes) > budget().room() {
+            evaluate_step(std::mem::take(&mut step), step_bytes)?;
+            step_bytes = 0;
+        }
+        if step.is_empty() {
+            budget().admit(p.bytes).map_err(EvalError::Exceeded)?;
+        }
+        step_bytes = step_bytes.saturating_add(p.bytes);
+        step.push(p.node);
+    }
+    evaluate_step(step, step_bytes)?;
+    mlx::eval(arrays).map_err(EvalError::Mlx)
+}
+
+/// Evaluates the nodes of one step, then lets go of them: what nothing else
+/// holds (no later node, no registered tensor) is freed.
+fn evaluate_step(nodes: Vec<Array>, bytes: usize) -> Result<(), EvalError> {
+    let _held = budget().reserve(bytes).map_err(EvalError::Exceeded)?;
+    let refs: Vec<&Array> = nodes.iter().collect();
+    mlx::eval(&refs).map_err(EvalError::Mlx)
 }
 
 /// Watches the live buffers for the client's garbage collector.

@@ -1,7 +1,7 @@
 //! The thread that owns the MLX stream: it runs every request in arrival
 //! order, keeps the registry, and acknowledges progress.
 
-use crate::budget::{budget, Pressure};
+use crate::budget::{self, budget, EvalError, Pressure};
 use crate::connection::{Incoming, Outgoing, Upload};
 use crate::mlx::{self, memory, Array};
 use crate::ops;
@@ -239,12 +239,12 @@ impl Session {
     }
 }
 
-/// Evaluates `arrays` if what it would allocate fits the memory budget; the
-/// bytes stay reserved while it runs.
+/// Evaluates `arrays` within the memory limit (see `budget::evaluate`).
 fn eval_within_budget(arrays: &[&Array], op: &str) -> Result<(), Rc<Failure>> {
-    let need = memory::pending_bytes(arrays).map_err(|e| Failure::new(op, e.message))?;
-    let _held = budget().reserve(need).map_err(|e| Failure::new(op, format!("{op}: {e}")))?;
-    mlx::eval(arrays).map_err(|e| Failure::new(op, e.message))
+    budget::evaluate(arrays).map_err(|e| match e {
+        EvalError::Exceeded(e) => Failure::new(op, format!("{op}: {e}")),
+        EvalError::Mlx(e) => Failure::new(op, e.message),
+    })
 }
 
 fn metadata(array: &Array, bytes: Option<usize>) -> Term {

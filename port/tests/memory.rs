@@ -108,24 +108,43 @@ fn an_op_whose_output_exceeds_the_limit_fails_when_it_is_built() {
 }
 
 #[test]
-fn a_lazy_chain_is_checked_as_a_whole_before_it_evaluates() {
+fn a_lazy_chain_whose_results_are_all_held_does_not_evaluate_past_the_limit() {
     let mut w = Worker::start(&[]);
     call(&mut w, 1, "set_memory_limit", Term::int(8 * MIB)).unwrap();
     upload_mib(&mut w, 1);
-    // Twelve 1 MiB steps: each fits when it is built, all of them do not.
+    // Twelve 1 MiB steps, every one a registered tensor: each fits when it
+    // is built, all of them do not.
     for id in 2..14 {
         w.request(0, "add", &[id], &[id - 1, 1], typed("f", 32));
     }
     let (op, message) = error_parts(&w.read(2, 13).unwrap_err());
     assert_eq!(op, "to_binary");
-    assert!(message.contains("to_binary: memory limit exceeded: needs 12.0 MiB, 1.0 MiB in use"), "{message}");
-    w.request(3, "eval", &[], &[13], nil());
-    let (op, _) = error_parts(&w.recv().0);
-    assert_eq!(op, "eval");
-    assert_eq!(stat(&mut w, 4, "active"), MIB, "nothing was evaluated");
+    assert!(message.contains("to_binary: memory limit exceeded: needs 1.0 MiB, 8.0 MiB in use, limit 8.0 MiB"), "{message}");
+    assert!(stat(&mut w, 3, "peak") <= 8 * MIB);
     // Not poisoned: with room, the same tensor evaluates.
-    call(&mut w, 5, "set_memory_limit", Term::int(64 * MIB)).unwrap();
-    assert!(w.read_f32(6, 13).iter().all(|v| *v == 13.0));
+    call(&mut w, 4, "set_memory_limit", Term::int(64 * MIB)).unwrap();
+    assert!(w.read_f32(5, 13).iter().all(|v| *v == 13.0));
+    w.close(Duration::from_secs(1));
+}
+
+#[test]
+fn a_lazy_chain_longer_than_the_limit_evaluates_in_steps() {
+    let mut w = Worker::start(&[]);
+    call(&mut w, 1, "set_memory_limit", Term::int(8 * MIB)).unwrap();
+    upload_mib(&mut w, 1);
+    // Forty 1 MiB steps, of which only the last is registered: 40 MiB of
+    // results in all, but MLX frees each step once the next has read it.
+    for id in 2..42 {
+        w.request(0, "add", &[id], &[id - 1, 1], typed("f", 32));
+        if id > 2 {
+            w.request(0, "release", &[], &[id - 1], nil());
+        }
+    }
+    w.request(2, "eval", &[], &[41], nil());
+    assert_eq!(w.recv().0.as_tuple().unwrap()[0], Term::atom("ok"));
+    assert!(stat(&mut w, 3, "peak") <= 8 * MIB, "the limit held during evaluation");
+    assert!(w.read_f32(4, 41).iter().all(|v| *v == 41.0));
+    assert_eq!(stat(&mut w, 5, "active"), 2 * MIB);
     w.close(Duration::from_secs(1));
 }
 

@@ -88,27 +88,44 @@ impl Array {
     }
 }
 
-/// The most that evaluating `arrays` allocates for results: the output bytes
-/// of every unscheduled node reachable from them (the outputs of
-/// multi-output nodes included), each node counted once. Views such as
-/// broadcasts count at their logical size, and MLX may reuse an input's
-/// buffer for an output, so the real figure is usually lower; scratch space
-/// inside a kernel is not included.
-pub fn pending_bytes(arrays: &[&Array]) -> Result<usize> {
+/// A not-yet-evaluated node and the bytes its evaluation allocates for
+/// results (its own, and those of the other outputs of a multi-output op).
+pub struct Pending {
+    pub node: Array,
+    pub bytes: usize,
+}
+
+/// Every unscheduled node that evaluating `arrays` would compute, each once,
+/// in an order where a node comes after everything it reads. Views such as
+/// broadcasts count at their logical size and MLX may reuse an input's
+/// buffer for an output, so the bytes are an upper bound on results; scratch
+/// space inside a kernel is not included.
+pub fn pending(arrays: &[&Array]) -> Result<Vec<Pending>> {
     let mut seen = HashSet::new();
-    let mut stack: Vec<Array> = arrays.iter().map(|a| a.share()).collect::<Result<_>>()?;
-    let mut total = 0usize;
-    while let Some(node) = stack.pop() {
+    let mut order = Vec::new();
+    let mut stack: Vec<(Array, bool)> = arrays.iter().map(|a| a.share().map(|a| (a, false))).collect::<Result<_>>()?;
+    while let Some((node, expanded)) = stack.pop() {
+        if expanded {
+            let mut bytes = node.nbytes();
+            for sibling in node.siblings()? {
+                if seen.insert(sibling.node_id()) {
+                    bytes = bytes.saturating_add(sibling.nbytes());
+                }
+            }
+            order.push(Pending { node, bytes });
+            continue;
+        }
         if !node.unscheduled() || !seen.insert(node.node_id()) {
             continue;
         }
-        total = total.saturating_add(node.nbytes());
-        for sibling in node.siblings()? {
-            if seen.insert(sibling.node_id()) {
-                total = total.saturating_add(sibling.nbytes());
-            }
-        }
-        stack.extend(node.inputs()?);
+        let inputs = node.inputs()?;
+        stack.push((node, true));
+        stack.extend(inputs.into_iter().map(|input| (input, false)));
     }
-    Ok(total)
+    Ok(order)
+}
+
+/// The sum of `pending(arrays)`'s bytes.
+pub fn pending_bytes(arrays: &[&Array]) -> Result<usize> {
+    Ok(pending(arrays)?.iter().fold(0usize, |sum, p| sum.saturating_add(p.bytes)))
 }

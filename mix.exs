@@ -29,6 +29,7 @@ defmodule Moat.MixProject do
         worker_log_level: :warning,
         fallback: :silent,
         window: 1024,
+        gc_nudge: 1_000,
         chunk_bytes: 64 * 1024 * 1024,
         max_frame_bytes: 320 * 1024 * 1024
       ]

@@ -42,15 +42,27 @@ defmodule Moat do
     * **Explicitly.** `deallocate/1` (and `Nx.backend_deallocate/1`) returns
       `:ok`, then `:already_deallocated` for the same tensor.
 
-  **When.** A dropped handle is freed when its process next garbage-collects.
-  A busy process does that often; one that goes idle holding garbage (a
-  Livebook evaluator between cells) may never do it, so the worker's
-  releaser garbage-collects once every process that created tensors and has
-  not run since its previous tick (`:gc_nudge`, 1 s by default, see
-  `Moat.Worker`): a dropped handle is freed within about two ticks of its
-  process going idle. Handles that survived into a busy process's old heap
-  wait for its next full sweep; `:erlang.garbage_collect/0`, `scope/1` or
-  `deallocate/1` free them at once.
+  **When.** A dropped handle is freed when the process that held it next
+  garbage-collects. A handle is a few words on the heap, so a process could
+  drop gigabytes of tensors without needing a collection; two things make
+  one happen for every process that has created tensors of the worker:
+
+    * *memory pressure*: when the worker's live buffers have grown by half
+      since their last low point (and by at least 16 MiB), the worker says
+      so and each creator gets a full-sweep collection. A loop that drops
+      its temporaries stays within about twice its live set (measured:
+      20,000 iterations of 4 MiB temporaries over a 48 MiB live set peak
+      below 2 × 48 MiB + the cache limit);
+    * *idleness*: a process that stops running (a Livebook evaluator between
+      cells) is collected once after a full `:gc_nudge` tick without
+      activity (1 s by default, see `Moat.Worker`), so what it dropped is
+      freed within about two ticks.
+
+  A handle held by a process that never created a tensor of the worker
+  (it received it) is freed at that process's own next collection. ETS,
+  `:persistent_term` and other processes keep tensors alive, as they keep
+  any term. `scope/1`, `deallocate/1` and `:erlang.garbage_collect/0` free
+  at once.
 
   **Without the NIF** (no C compiler when Moat was built, or
   `MOAT_FINALIZER=off`), a warning is logged once and only `scope/1`,
@@ -58,18 +70,22 @@ defmodule Moat do
 
   **Limits.** The worker enforces a memory limit (by default MLX's, about 80%
   of RAM; `set_memory_limit/2`). MLX's CPU allocator does not, and crashes
-  when memory runs out, so the worker checks before it allocates: an upload
-  that does not fit is refused, an op whose result does not fit fails when
-  it is built, and a blocking call first adds up every result its evaluation
-  would compute (the whole lazy chain). A chain too long to fit at once is
-  evaluated in steps that each fit, as MLX frees the intermediates that no
-  live tensor holds; if the results that must stay do not fit, the call
-  raises `Moat.Error`. The worker survives all three and serves the next
-  call. The limit
-  bounds result buffers: views such as broadcasts count at their full size,
-  and a kernel's scratch space is not counted. Freed buffers are cached for
-  reuse, up to the cache limit (`set_cache_limit/2`); the cache is cleared
-  when a request fits only without it.
+  when memory runs out, so the worker checks before it allocates:
+
+    * an upload that does not fit next to the live buffers is refused;
+    * an op whose result does not fit fails when it is built;
+    * a blocking call first adds up every result its evaluation would
+      compute, the whole lazy chain. A chain too long to fit at once is
+      evaluated in steps that each fit, as MLX frees the intermediates that
+      no live tensor holds; if what must stay does not fit, the call raises.
+
+  Each raises a `Moat.Error` (at the next blocking call for the first two)
+  naming the sizes; the worker lives and serves the next call. The limit
+  bounds result buffers: views (broadcasts, transposes, slices, reshapes of
+  dense tensors) count nothing, MLX may reuse an input's buffer for a
+  result, and a kernel's scratch space is not counted. Freed buffers are
+  cached for reuse up to the cache limit (`set_cache_limit/2`), and the
+  cache is cleared when a request fits only without it.
 
   ## Telemetry
 
@@ -78,6 +94,8 @@ defmodule Moat do
     * `[:moat, :eval, :start | :stop | :exception]` — metadata `:worker`, `:count`
     * `[:moat, :memory, :stats]` — on every `memory_info/1`; measurements
       `:active`, `:peak`, `:cache` (bytes) and `:tensors`; metadata `:worker`
+    * `[:moat, :memory, :pressure]` — the worker reported memory pressure
+      (creators are collected); measurement `:active`; metadata `:worker`
     * `[:moat, :worker, :up]` and `[:moat, :worker, :down]` — see `Moat.Worker`
   """
 

@@ -10,6 +10,12 @@ defmodule Moat.Backend do
   chain of ops costs one pipe write each and no round trip until something
   reads values (`Nx.to_binary/1`, `inspect/2`, …).
 
+  A tensor's data is freed in the worker once no process holds the tensor
+  any more (see `Moat`, "Memory"), or at once with `Nx.backend_deallocate/1`
+  (`:ok`, then `:already_deallocated`) or `Moat.scope/1`. The worker refuses
+  what would exceed its memory limit (`Moat.set_memory_limit/2`) with a
+  `Moat.Error` instead of running out of memory.
+
   ## Options
 
     * `:device` - `:cpu` (the default, and the only device on Linux CPU builds)

@@ -129,7 +129,7 @@ defmodule Moat.Client do
   def release(%Ref{worker: name, generation: g, id: id, token: token}) do
     case :persistent_term.get({__MODULE__, name}, nil) do
       %__MODULE__{generation: ^g, releaser: releaser} ->
-        if Finalizer.release(token) do
+        if take(token) do
           send(releaser, {:moat_release, id})
           :ok
         else
@@ -137,10 +137,14 @@ defmodule Moat.Client do
         end
 
       _ ->
-        Finalizer.release(token)
+        take(token)
         :already_deallocated
     end
   end
+
+  # A handle made without a token cannot tell; it is released every time.
+  defp take(nil), do: true
+  defp take(token), do: Finalizer.release(token)
 
   @doc false
   # Releases ids of (worker, generation) without their handles (Moat.scope/1).

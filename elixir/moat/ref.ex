@@ -8,11 +8,12 @@ defmodule Moat.Ref do
 
   `token` frees the tensor in the worker once the VM has garbage-collected
   every copy of the handle (see `Moat`, "Memory"). Copies of a handle share
-  it; make handles with `Moat.Client.ref/2` only.
+  it. Make handles with `Moat.Client.ref/2`: a handle without a token
+  (`nil`) is never released automatically.
   """
 
-  @enforce_keys [:worker, :generation, :id, :token]
+  @enforce_keys [:worker, :generation, :id]
   defstruct [:worker, :generation, :id, :token]
 
-  @type t :: %__MODULE__{worker: atom(), generation: pos_integer(), id: pos_integer(), token: reference()}
+  @type t :: %__MODULE__{worker: atom(), generation: pos_integer(), id: pos_integer(), token: reference() | nil}
 end

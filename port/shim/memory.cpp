@@ -1,5 +1,6 @@
 // Memory statistics and limits, and the graph queries the worker's own limit
 // check needs (MLX's CPU allocator does not enforce the memory limit).
+#include "mlx/primitives.h"
 #include "shim_core.hpp"
 
 using namespace moat;
@@ -35,6 +36,10 @@ int moat_array_unscheduled(const moat_array* a) {
 }
 
 uintptr_t moat_array_id(const moat_array* a) { return arr(a).id(); }
+
+const char* moat_array_primitive(const moat_array* a) {
+  return arr(a).has_primitive() ? arr(a).primitive().name() : nullptr;
+}
 
 size_t moat_array_num_inputs(const moat_array* a) { return arr(a).inputs().size(); }
 

@@ -14,8 +14,9 @@
 //!
 //! A request that does not fit fails with a message naming the sizes, and the
 //! worker keeps serving. The limit covers results (every array MLX would
-//! allocate), not scratch space inside a kernel; views count at their logical
-//! size. The budget is process-wide, like MLX's allocator.
+//! allocate), not scratch space inside a kernel; views (broadcasts,
+//! transposes, slices, reshapes of dense tensors) count nothing. The budget
+//! is process-wide, like MLX's allocator.
 
 use crate::mlx::{self, memory, Array};
 use std::fmt;

@@ -143,8 +143,11 @@ impl Session {
         };
         match outputs {
             Ok(arrays) if arrays.len() == req.outs.len() => {
-                let need = arrays.iter().map(|a| a.nbytes()).fold(0usize, usize::saturating_add);
-                if let Err(e) = budget().admit(need) {
+                let need = arrays.iter().map(Array::result_bytes).try_fold(0usize, |sum, bytes| {
+                    bytes.map(|b| sum.saturating_add(b))
+                });
+                let fits = need.map_err(|e| e.message).and_then(|need| budget().admit(need).map_err(|e| e.to_string()));
+                if let Err(e) = fits {
                     return self.fail(req.seq, &req.outs, Failure::new(&req.op, format!("{}: {e}", req.op)));
                 }
                 for (id, array) in req.outs.iter().zip(arrays) {

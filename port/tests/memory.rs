@@ -97,13 +97,41 @@ fn an_op_whose_output_exceeds_the_limit_fails_when_it_is_built() {
     let mut w = Worker::start(&[]);
     call(&mut w, 1, "set_memory_limit", Term::int(16 * MIB)).unwrap();
     w.upload_f32(1, &[1], &[2.0]);
+    // The broadcast is a view: it allocates nothing. The sum of two does.
     let huge = moat_port::protocol::map(vec![("shape", moat_port::protocol::shape_term(&[1 << 30]))]);
     w.request(0, "broadcast_to", &[2], &[1], huge);
     w.request(0, "add", &[3], &[2, 2], typed("f", 32));
-    let (op, message) = error_parts(&w.read(2, 3).unwrap_err());
-    assert_eq!(op, "broadcast_to");
-    assert!(message.contains("broadcast_to: memory limit exceeded: needs 4.0 GiB"), "{message}");
+    w.request(0, "add", &[4], &[3, 1], typed("f", 32));
+    let (op, message) = error_parts(&w.read(2, 4).unwrap_err());
+    assert_eq!(op, "add");
+    assert!(message.contains("add: memory limit exceeded: needs 4.0 GiB"), "{message}");
     assert_eq!(w.read_f32(3, 1), vec![2.0]);
+    w.close(Duration::from_secs(1));
+}
+
+#[test]
+fn views_count_nothing() {
+    let mut w = Worker::start(&[]);
+    call(&mut w, 1, "set_memory_limit", Term::int(16 * MIB)).unwrap();
+    w.upload_f32(1, &[1], &[2.0]);
+    let wide = moat_port::protocol::map(vec![("shape", moat_port::protocol::shape_term(&[8 << 20]))]);
+    w.request(0, "broadcast_to", &[2], &[1], wide);
+    let sum_attrs = moat_port::protocol::map(vec![
+        ("axes", ids(&[0])),
+        ("keep_axes", Term::atom("false")),
+        ("type", Term::tuple(vec![Term::atom("f"), Term::int(32)])),
+    ]);
+    w.request(0, "sum", &[3], &[2], sum_attrs);
+    assert_eq!(w.read_f32(2, 3), vec![2.0 * (8 << 20) as f32]);
+    // A reshape of an evaluated dense tensor is a view as well.
+    w.upload_f32(4, &[1024, 1024], &vec![1.0; 1 << 20]);
+    for (id, shape) in [(5, [1 << 20, 1]), (6, [1, 1 << 20]), (7, [512, 2048])] {
+        let attrs = moat_port::protocol::map(vec![("shape", moat_port::protocol::shape_term(&shape))]);
+        w.request(0, "reshape", &[id], &[4], attrs);
+    }
+    w.request(3, "eval", &[], &[5, 6, 7], nil());
+    assert!(w.recv().0.as_tuple().unwrap()[0].is_atom("ok"));
+    assert!(stat(&mut w, 4, "peak") < 5 * MIB, "neither the sum of the broadcast nor the reshapes copied");
     w.close(Duration::from_secs(1));
 }
 

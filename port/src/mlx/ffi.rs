@@ -56,6 +56,7 @@ extern "C" {
     pub fn moat_clear_cache() -> c_int;
     pub fn moat_array_unscheduled(a: *const moat_array) -> c_int;
     pub fn moat_array_id(a: *const moat_array) -> usize;
+    pub fn moat_array_primitive(a: *const moat_array) -> *const c_char;
     pub fn moat_array_num_inputs(a: *const moat_array) -> usize;
     pub fn moat_array_input(a: *const moat_array, i: usize, out: *mut *mut moat_array) -> c_int;
     pub fn moat_array_num_siblings(a: *const moat_array) -> usize;

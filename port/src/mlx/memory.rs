@@ -3,6 +3,14 @@
 
 use super::{check, ffi, Array, Result};
 use std::collections::HashSet;
+use std::ffi::CStr;
+
+/// Ops whose result shares its input's buffer on the CPU: evaluating them
+/// allocates nothing.
+const VIEWS: &[&str] = &["Broadcast", "BroadcastAxes", "Transpose", "Slice", "AsStrided", "ExpandDims", "Squeeze", "View"];
+
+/// Ops that share their input's buffer when it is dense, and copy otherwise.
+const RESHAPES: &[&str] = &["Reshape", "Flatten", "Unflatten"];
 
 /// Bytes in live buffers (evaluated arrays and uploads), without the cache.
 pub fn active() -> usize {
@@ -69,6 +77,26 @@ impl Array {
         unsafe { ffi::moat_array_row_contiguous(self.raw()) == 1 }
     }
 
+    /// The bytes evaluating this node allocates for its result: none for a
+    /// view, nor for a reshape of an evaluated dense input; `nbytes`
+    /// otherwise (a reshape of a lazy input may have to copy).
+    pub fn result_bytes(&self) -> Result<usize> {
+        // SAFETY: `self.raw()` is live; the name is a static string or null.
+        let name = unsafe { ffi::moat_array_primitive(self.raw()) };
+        let name = if name.is_null() { "" } else { unsafe { CStr::from_ptr(name) }.to_str().unwrap_or("") };
+        if VIEWS.contains(&name) {
+            return Ok(0);
+        }
+        if RESHAPES.contains(&name) {
+            if let [input] = self.inputs()?.as_slice() {
+                if !input.unscheduled() && input.row_contiguous() {
+                    return Ok(0);
+                }
+            }
+        }
+        Ok(self.nbytes())
+    }
+
     /// The identity of the graph node (handles to one node share it).
     fn node_id(&self) -> usize {
         // SAFETY: `self.raw()` is live.
@@ -96,17 +124,17 @@ pub struct Pending {
 }
 
 /// Every unscheduled node that evaluating `arrays` would compute, each once,
-/// in an order where a node comes after everything it reads. Views such as
-/// broadcasts count at their logical size and MLX may reuse an input's
-/// buffer for an output, so the bytes are an upper bound on results; scratch
-/// space inside a kernel is not included.
+/// in an order where a node comes after everything it reads. Views count
+/// nothing (`Array::result_bytes`), a reshape of a lazy input counts as a
+/// copy, and MLX may reuse an input's buffer for an output, so the bytes are
+/// an upper bound on results; scratch space inside a kernel is not included.
 pub fn pending(arrays: &[&Array]) -> Result<Vec<Pending>> {
     let mut seen = HashSet::new();
     let mut order = Vec::new();
     let mut stack: Vec<(Array, bool)> = arrays.iter().map(|a| a.share().map(|a| (a, false))).collect::<Result<_>>()?;
     while let Some((node, expanded)) = stack.pop() {
         if expanded {
-            let mut bytes = node.nbytes();
+            let mut bytes = node.result_bytes()?;
             for sibling in node.siblings()? {
                 if seen.insert(sibling.node_id()) {
                     bytes = bytes.saturating_add(sibling.nbytes());

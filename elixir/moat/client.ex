@@ -142,9 +142,16 @@ defmodule Moat.Client do
     end
   end
 
-  # A handle made without a token cannot tell; it is released every time.
+  # A handle without a live token (made without one, or rebuilt by
+  # :erlang.binary_to_term/1, which keeps only a plain reference) cannot
+  # tell; it is released every time.
   defp take(nil), do: true
-  defp take(token), do: Finalizer.release(token)
+
+  defp take(token) do
+    Finalizer.release(token)
+  rescue
+    ArgumentError -> true
+  end
 
   @doc false
   # Releases ids of (worker, generation) without their handles (Moat.scope/1).

@@ -2,7 +2,9 @@ defmodule Moat.Scope do
   @moduledoc false
   # `Moat.scope/1`: the ids created by this process inside a scope, kept in
   # the process dictionary as {worker, generation, id} (not the handles, so
-  # that garbage inside a long scope is still released automatically).
+  # that garbage inside a long scope is still released automatically). The
+  # handles' tokens are not marked, so an id a scope released may be sent
+  # again when its handle is collected; the worker ignores unknown ids.
 
   alias Moat.{Client, Ref}
 

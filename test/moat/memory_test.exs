@@ -9,7 +9,7 @@ defmodule Moat.MemoryTest do
   @mib 1024 * 1024
 
   setup do
-    worker = start_worker(:memory_worker, gc_nudge: 50)
+    worker = start_worker(:memory_worker, gc_nudge: 50, log_level: :error)
     {:ok, worker: worker}
   end
 
@@ -64,6 +64,21 @@ defmodule Moat.MemoryTest do
       refute alive?(n)
       error = assert_raise Error, fn -> Nx.to_binary(t) end
       assert error.message =~ "unknown tensor id"
+    end
+
+    test "a handle rebuilt from its external term format shares the token while it lives", %{worker: w} do
+      t = tensor(w, [1.0])
+      copy = t |> :erlang.term_to_binary() |> :erlang.binary_to_term()
+      assert Nx.backend_deallocate(copy) == :ok
+      assert Nx.backend_deallocate(t) == :already_deallocated
+      refute alive?(name(t))
+
+      # Once every live copy is gone, a rebuilt handle's token is a plain
+      # reference: deallocating it still works.
+      {pid, {made, bin}} = in_process(fn -> tensor(w, [2.0]) |> then(&{name(&1), :erlang.term_to_binary(&1)}) end)
+      send(pid, :exit)
+      eventually(fn -> not alive?(made) end)
+      assert Nx.backend_deallocate(:erlang.binary_to_term(bin)) == :ok
     end
 
     test "a handle from before a restart is already deallocated", %{worker: w} do

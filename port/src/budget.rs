@@ -121,7 +121,7 @@ impl Budget {
     }
 }
 
-/// Why an evaluation did not happen.
+/// Why a request does not fit, or MLX's error while finding out.
 #[derive(Debug)]
 pub enum EvalError {
     Exceeded(Exceeded),
@@ -135,6 +135,19 @@ impl fmt::Display for EvalError {
             EvalError::Mlx(e) => e.fmt(f),
         }
     }
+}
+
+/// Checks that the results of a newly built op fit.
+pub fn admit_results(arrays: &[Array]) -> Result<(), EvalError> {
+    let need = arrays.iter().try_fold(0usize, |sum, a| a.result_bytes().map(|b| sum.saturating_add(b)));
+    budget().admit(need.map_err(EvalError::Mlx)?).map_err(EvalError::Exceeded)
+}
+
+/// Checks that evaluating `arrays` at once fits (for `async_eval`, which
+/// cannot go in steps).
+pub fn admit_evaluation(arrays: &[&Array]) -> Result<(), EvalError> {
+    let need = memory::pending_bytes(arrays).map_err(EvalError::Mlx)?;
+    budget().admit(need).map_err(EvalError::Exceeded)
 }
 
 /// Evaluates `arrays` within the limit: at once when everything it would

@@ -143,11 +143,7 @@ impl Session {
         };
         match outputs {
             Ok(arrays) if arrays.len() == req.outs.len() => {
-                let need = arrays.iter().map(Array::result_bytes).try_fold(0usize, |sum, bytes| {
-                    bytes.map(|b| sum.saturating_add(b))
-                });
-                let fits = need.map_err(|e| e.message).and_then(|need| budget().admit(need).map_err(|e| e.to_string()));
-                if let Err(e) = fits {
+                if let Err(e) = budget::admit_results(&arrays) {
                     return self.fail(req.seq, &req.outs, Failure::new(&req.op, format!("{}: {e}", req.op)));
                 }
                 for (id, array) in req.outs.iter().zip(arrays) {
@@ -219,10 +215,7 @@ impl Session {
     fn async_eval(&mut self, req: &Request) {
         // Errors resurface at the next blocking call on these ids.
         if let Ok(arrays) = self.registry.inputs(&req.ins, &req.op) {
-            let fits = memory::pending_bytes(&arrays).map_err(|e| e.message).and_then(|need| {
-                budget().admit(need).map_err(|e| e.to_string())
-            });
-            if let Err(e) = fits {
+            if let Err(e) = budget::admit_evaluation(&arrays) {
                 return log::debug!("async_eval skipped: {e}");
             }
             if let Err(e) = mlx::async_eval(&arrays) {

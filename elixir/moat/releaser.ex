@@ -6,7 +6,8 @@ defmodule Moat.Releaser do
   #
   # Ids arrive as `{:moat_release, id}` (a token's destructor, or
   # `Moat.deallocate/1`) and `{:moat_release_ids, ids}` (`Moat.scope/1`). A
-  # batch goes out when the mailbox runs empty or holds @max_batch ids.
+  # batch goes out when the mailbox runs empty or @max_batch ids wait, in
+  # frames of at most @max_batch ids.
   #
   # It also makes creators collect their garbage. Each process that creates a
   # tensor of this worker announces itself once. A handle is a few words on
@@ -128,9 +129,12 @@ defmodule Moat.Releaser do
   defp send_batch(%{pending: []} = state), do: state
   defp send_batch(%{conn: nil} = state), do: state
 
+  # At most @max_batch ids a frame keeps headers far below their limit.
   defp send_batch(%{conn: conn, pending: ids} = state) do
     try do
-      Client.cast(conn, :release, [], ids, nil)
+      ids
+      |> Enum.chunk_every(@max_batch)
+      |> Enum.each(&Client.cast(conn, :release, [], &1, nil))
     rescue
       # The worker died: its tensors are gone with it.
       Moat.Error -> :ok

@@ -105,6 +105,15 @@ defmodule Moat.MemoryTest do
   end
 
   describe "scope" do
+    test "a scope of 20,000 tensors releases them all", %{worker: w} do
+      base = tensor(w, [1.0])
+      sum = Moat.scope(fn -> for _ <- 1..20_000, reduce: base, do: (acc -> Nx.add(acc, base)) end)
+      assert Moat.memory_info(w).tensors == 2
+      assert Nx.to_flat_list(sum) == [20_001.0]
+      assert Nx.to_flat_list(base) == [1.0]
+    end
+
+
     test "releases what it created except what it returns, wherever it is", %{worker: w} do
       base = tensor(w, [1.0, 2.0])
       parent = self()

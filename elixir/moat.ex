@@ -49,7 +49,8 @@ defmodule Moat do
 
     * *memory pressure*: when the worker's live buffers have grown by half
       since their last low point (and by at least 16 MiB), the worker says
-      so and each creator gets a full-sweep collection. A loop that drops
+      so; each creator gets a full-sweep collection, and a busy one collects
+      itself before it makes its next tensor. A loop that drops
       its temporaries stays within about twice its live set (measured:
       20,000 iterations of 4 MiB temporaries over a 48 MiB live set peak
       below 2 × 48 MiB + the cache limit);

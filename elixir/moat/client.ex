@@ -45,9 +45,14 @@ defmodule Moat.Client do
   @seq 1
   @sent 2
   @acked 3
+  # Memory-pressure reports received from the worker.
+  @pressure 4
 
   @doc false
-  def new_counters, do: :atomics.new(3, signed: false)
+  def new_counters, do: :atomics.new(4, signed: false)
+
+  @doc false
+  def record_pressure(%__MODULE__{counters: c}), do: :atomics.add(c, @pressure, 1)
 
   @doc false
   def record_ack(%__MODULE__{counters: c}, n), do: :atomics.put(c, @acked, n)
@@ -104,10 +109,25 @@ defmodule Moat.Client do
   the handle is garbage (or by `release/1`, or at the end of a `Moat.scope/1`).
   """
   @spec ref(t(), pos_integer()) :: Ref.t()
-  def ref(%__MODULE__{name: name, generation: g, releaser: releaser}, id) do
+  def ref(%__MODULE__{name: name, generation: g, releaser: releaser} = conn, id) do
     announce_creator(name, releaser)
+    collect_under_pressure(conn)
     Moat.Scope.record(name, g, id)
     %Ref{worker: name, generation: g, id: id, token: Finalizer.new(releaser, id)}
+  end
+
+  # After the worker reports memory pressure, the next handle a process makes
+  # first collects that process's garbage and sends the releases it caused,
+  # so a busy loop frees its dropped temporaries before it makes more.
+  defp collect_under_pressure(%__MODULE__{name: name, counters: c, releaser: releaser}) do
+    key = {:moat_pressure, name}
+    reports = :atomics.get(c, @pressure)
+
+    if Process.get(key, 0) != reports do
+      Process.put(key, reports)
+      :erlang.garbage_collect()
+      Moat.Releaser.flush(releaser)
+    end
   end
 
   # The releaser nudges idle creators into a garbage collection.

@@ -231,6 +231,7 @@ defmodule Moat.Worker do
   end
 
   defp route({:memory_pressure, active}, _payload, state) do
+    Client.record_pressure(state.conn)
     send(state.conn.releaser, {:memory_pressure, active})
     :telemetry.execute([:moat, :memory, :pressure], %{active: active}, %{worker: state.conn.name})
     state

@@ -50,10 +50,9 @@ defmodule Moat do
     * *memory pressure*: when the worker's live buffers have grown by half
       since their last low point (and by at least 16 MiB), the worker says
       so; each creator gets a full-sweep collection, and a busy one collects
-      itself before it makes its next tensor. A loop that drops
-      its temporaries stays within about twice its live set (measured:
-      20,000 iterations of 4 MiB temporaries over a 48 MiB live set peak
-      below 2 × 48 MiB + the cache limit);
+      itself before it makes its next tensor. A loop that drops its
+      temporaries stays within about twice its live set (measured: 20,000
+      iterations of 4 MiB temporaries over a 48 MiB live set peak at 96 MiB);
     * *idleness*: a process that stops running (a Livebook evaluator between
       cells) is collected once after a full `:gc_nudge` tick without
       activity (1 s by default, see `Moat.Worker`), so what it dropped is

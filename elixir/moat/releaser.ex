@@ -35,8 +35,15 @@ defmodule Moat.Releaser do
   @doc false
   def attach(releaser, %Client{} = conn), do: GenServer.cast(releaser, {:attach, conn})
 
-  @doc "Sends every id received so far; returns once their frame is on its way."
-  def flush(releaser), do: GenServer.call(releaser, :flush, :infinity)
+  @doc """
+  Sends every id received so far; returns once their frame is on its way
+  (at once if the releaser is gone: its worker and tensors went with it).
+  """
+  def flush(releaser) do
+    GenServer.call(releaser, :flush, :infinity)
+  catch
+    :exit, _ -> :ok
+  end
 
   @impl true
   def init(opts) do

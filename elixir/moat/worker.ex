@@ -231,8 +231,12 @@ defmodule Moat.Worker do
   end
 
   defp route({:memory_pressure, active}, _payload, state) do
-    Client.record_pressure(state.conn)
-    send(state.conn.releaser, {:memory_pressure, active})
+    # Collections free tensors only through the finalizer's tokens.
+    if Finalizer.loaded?() do
+      Client.record_pressure(state.conn)
+      send(state.conn.releaser, {:memory_pressure, active})
+    end
+
     :telemetry.execute([:moat, :memory, :pressure], %{active: active}, %{worker: state.conn.name})
     state
   end

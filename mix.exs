@@ -11,7 +11,7 @@ defmodule Moat.MixProject do
       elixirc_paths: elixirc_paths(Mix.env()),
       test_paths: ["test"],
       test_pattern: "*_test.exs",
-      compilers: [:moat_port | Mix.compilers()],
+      compilers: [:moat_port, :moat_finalizer | Mix.compilers()],
       deps: deps(),
       name: "Moat",
       description: "An Nx backend on Apple's MLX, run in a supervised, crash-isolated worker process"
@@ -29,6 +29,7 @@ defmodule Moat.MixProject do
         worker_log_level: :warning,
         fallback: :silent,
         window: 1024,
+        gc_nudge: 1_000,
         chunk_bytes: 64 * 1024 * 1024,
         max_frame_bytes: 320 * 1024 * 1024
       ]
@@ -82,4 +83,45 @@ defmodule Mix.Tasks.Compile.MoatPort do
         {:error, []}
     end
   end
+end
+
+defmodule Mix.Tasks.Compile.MoatFinalizer do
+  @shortdoc "Builds the tensor finalizer NIF (nif/moat_finalizer.c, no MLX) into priv/"
+  @moduledoc false
+  use Mix.Task.Compiler
+
+  # Without a C compiler the build goes on: Moat then runs without automatic
+  # release (see Moat's moduledoc).
+  @impl true
+  def run(_args) do
+    root = Path.dirname(__ENV__.file)
+    source = Path.join(root, "nif/moat_finalizer.c")
+    dest = Path.join(Mix.Project.app_path(), "priv/moat_finalizer.so")
+
+    if File.exists?(dest) and mtime(dest) >= mtime(source) do
+      {:noop, []}
+    else
+      build(source, dest)
+    end
+  end
+
+  defp build(source, dest) do
+    cc = System.get_env("CC") || System.find_executable("cc") || System.find_executable("gcc")
+    include = Path.join([to_string(:code.root_dir()), "erts-#{:erlang.system_info(:version)}", "include"])
+    File.mkdir_p!(Path.dirname(dest))
+    args = ["-O2", "-fPIC", "-shared", "-std=c11", "-Wall", "-Wextra", "-I", include, "-o", dest, source]
+
+    case cc && System.cmd(cc, args, stderr_to_stdout: true) do
+      {_, 0} ->
+        {:ok, []}
+
+      failure ->
+        why = if failure, do: elem(failure, 0), else: "no C compiler found (set CC)"
+        Mix.shell().info("moat: the finalizer NIF was not built; tensors are released only " <>
+          "explicitly, by Moat.scope/1 or by a worker restart:\n" <> why)
+        {:ok, []}
+    end
+  end
+
+  defp mtime(path), do: File.stat!(path, time: :posix).mtime
 end

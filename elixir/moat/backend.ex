@@ -15,6 +15,12 @@ defmodule Moat.Backend do
   backends or other workers that meet a Moat tensor in an op are copied into
   its worker first.
 
+  A tensor's data is freed in the worker once no process holds the tensor
+  any more (see `Moat`, "Memory"), or at once with `Nx.backend_deallocate/1`
+  (`:ok`, then `:already_deallocated`) or `Moat.scope/1`. The worker refuses
+  what would exceed its memory limit (`Moat.set_memory_limit/2`) with a
+  `Moat.Error` instead of running out of memory.
+
   ## Options
 
     * `:device` - `:cpu` (the default, and the only device on Linux CPU builds)
@@ -258,16 +264,7 @@ defmodule Moat.Backend do
   end
 
   @impl true
-  def backend_deallocate(%T{data: %__MODULE__{ref: %Ref{} = ref}}) do
-    conn = Client.conn(ref.worker)
-
-    if conn.generation == ref.generation do
-      Client.cast(conn, :release, [], [ref.id], nil)
-      :ok
-    else
-      :already_deallocated
-    end
-  end
+  def backend_deallocate(%T{data: %__MODULE__{ref: %Ref{} = ref}}), do: Moat.deallocate(ref)
 
   @impl true
   def to_batched(%T{shape: shape} = out, %T{shape: in_shape} = tensor, opts) do

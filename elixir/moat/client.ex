@@ -14,12 +14,16 @@ defmodule Moat.Client do
 
   The connection (`t:t/0`) lives in `:persistent_term` and is replaced on every
   worker restart.
+
+  Handles are made here (`ref/2`) so that each carries the token that frees
+  its tensor once the VM has garbage-collected the handle (see `Moat`,
+  "Memory").
   """
 
-  alias Moat.{Error, Protocol, Ref}
+  alias Moat.{Error, Finalizer, Protocol, Ref}
 
-  @enforce_keys [:name, :port, :generation, :owner, :table, :counters]
-  defstruct [:name, :port, :generation, :owner, :table, :counters, :window, :chunk_bytes, :info]
+  @enforce_keys [:name, :port, :generation, :owner, :table, :counters, :releaser]
+  defstruct [:name, :port, :generation, :owner, :table, :counters, :releaser, :window, :chunk_bytes, :info]
 
   @type t :: %__MODULE__{
           name: atom(),
@@ -28,18 +32,27 @@ defmodule Moat.Client do
           owner: pid(),
           table: :ets.tid(),
           counters: :atomics.atomics_ref(),
+          releaser: pid(),
           window: pos_integer(),
           chunk_bytes: pos_integer(),
           info: map()
         }
 
+  # Handles whose ids the next frame of this process reads (see ids!/3).
+  @pinned :moat_pinned
+
   # :atomics slots of a connection
   @seq 1
   @sent 2
   @acked 3
+  # Memory-pressure reports received from the worker.
+  @pressure 4
 
   @doc false
-  def new_counters, do: :atomics.new(3, signed: false)
+  def new_counters, do: :atomics.new(4, signed: false)
+
+  @doc false
+  def record_pressure(%__MODULE__{counters: c}), do: :atomics.add(c, @pressure, 1)
 
   @doc false
   def record_ack(%__MODULE__{counters: c}, n), do: :atomics.put(c, @acked, n)
@@ -90,18 +103,111 @@ defmodule Moat.Client do
     end
   end
 
-  @doc "A handle for `id` in this connection's generation."
+  @doc """
+  A handle for `id` in this connection's generation. Call it once the frame
+  that defines `id` has been sent: from then on, the tensor is released when
+  the handle is garbage (or by `release/1`, or at the end of a `Moat.scope/1`).
+  """
   @spec ref(t(), pos_integer()) :: Ref.t()
-  def ref(%__MODULE__{name: name, generation: g}, id), do: %Ref{worker: name, generation: g, id: id}
+  def ref(%__MODULE__{name: name, generation: g, releaser: releaser} = conn, id) do
+    announce_creator(name, releaser)
+    collect_under_pressure(conn)
+    Moat.Scope.record(name, g, id)
+    %Ref{worker: name, generation: g, id: id, token: Finalizer.new(releaser, id)}
+  end
+
+  # After the worker reports memory pressure, the next handle a process makes
+  # first collects that process's garbage and sends the releases it caused,
+  # so a busy loop frees its dropped temporaries before it makes more.
+  defp collect_under_pressure(%__MODULE__{name: name, counters: c, releaser: releaser}) do
+    key = {:moat_pressure, name}
+    reports = :atomics.get(c, @pressure)
+
+    if Process.get(key, 0) != reports do
+      Process.put(key, reports)
+      :erlang.garbage_collect()
+      Moat.Releaser.flush(releaser)
+    end
+  end
+
+  # The releaser nudges idle creators into a garbage collection.
+  defp announce_creator(name, releaser) do
+    key = {Moat.Releaser, name}
+
+    if Process.get(key) != releaser do
+      Process.put(key, releaser)
+      send(releaser, {:moat_creator, self()})
+    end
+  end
+
+  @doc """
+  Releases a handle's tensor now: `:ok`, or `:already_deallocated` when it
+  was released before (or its worker restarted since). The id travels with
+  others in the worker's next `:release` frame.
+  """
+  @spec release(Ref.t()) :: :ok | :already_deallocated
+  def release(%Ref{worker: name, generation: g, id: id, token: token}) do
+    case :persistent_term.get({__MODULE__, name}, nil) do
+      %__MODULE__{generation: ^g, releaser: releaser} ->
+        if take(token) do
+          send(releaser, {:moat_release, id})
+          :ok
+        else
+          :already_deallocated
+        end
+
+      _ ->
+        take(token)
+        :already_deallocated
+    end
+  end
+
+  defp released?(token) do
+    Finalizer.released?(token)
+  rescue
+    ArgumentError -> false
+  end
+
+  # A handle without a live token (made without one, or rebuilt by
+  # :erlang.binary_to_term/1, which keeps only a plain reference) cannot
+  # tell; it is released every time.
+  defp take(nil), do: true
+
+  defp take(token) do
+    Finalizer.release(token)
+  rescue
+    ArgumentError -> true
+  end
+
+  @doc false
+  # Releases ids of (worker, generation) without their handles (Moat.scope/1).
+  def release_ids(name, g, ids) do
+    case :persistent_term.get({__MODULE__, name}, nil) do
+      %__MODULE__{generation: ^g, releaser: releaser} -> send(releaser, {:moat_release_ids, ids})
+      _ -> :ok
+    end
+
+    :ok
+  end
 
   @doc """
   The ids of handles, after checking they belong to this connection's
   generation (a stale handle raises before anything is sent).
+
+  The handles stay reachable until this process's next frame is written, so
+  a garbage collection while `cast/6` waits for the window cannot release
+  them before the frame that reads them.
   """
   @spec ids!(t(), [Ref.t()], atom()) :: [pos_integer()]
   def ids!(%__MODULE__{generation: g} = conn, refs, op) do
+    Process.put(@pinned, refs)
+
     Enum.map(refs, fn
-      %Ref{generation: ^g, id: id} ->
+      %Ref{generation: ^g, id: id, token: token} ->
+        if token != nil and released?(token) do
+          raise Error.new(:deallocated, op, "tensor #{id} was deallocated (Nx.backend_deallocate/1 or Moat.scope/1)")
+        end
+
         id
 
       %Ref{generation: old} ->
@@ -225,6 +331,7 @@ defmodule Moat.Client do
 
   defp command(conn, op, iodata) do
     Port.command(conn.port, iodata)
+    Process.delete(@pinned)
     :ok
   rescue
     ArgumentError ->

@@ -10,12 +10,15 @@ defmodule Moat.Error do
       (`:op` is the call; the message says how it died).
     * `:stale_generation` — the tensor belongs to a worker that has since been
       restarted; its data is gone.
+    * `:deallocated` — the tensor was released with `Nx.backend_deallocate/1`
+      or by `Moat.scope/1`.
     * `:worker_unavailable` — no worker is running (it is restarting, or the
       application is stopped).
     * `:timeout` — the call did not complete in time.
   """
 
-  @type reason :: :op_failed | :worker_died | :stale_generation | :worker_unavailable | :timeout
+  @type reason ::
+          :op_failed | :worker_died | :stale_generation | :deallocated | :worker_unavailable | :timeout
 
   defexception [:reason, :op, :message]
 

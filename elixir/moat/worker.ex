@@ -27,12 +27,16 @@ defmodule Moat.Worker do
         fails if they hold NaN or an infinity, so reading the result raises a
         `Moat.Error` naming the op that produced it. Evaluating every op
         forgoes MLX's lazy fusion: for debugging only.
+    * `:gc_nudge` - every this many milliseconds, processes that created
+      tensors and have been idle since the last tick are garbage-collected
+      once, so that the tensors they dropped are released (1000; `false`
+      turns it off). See `Moat`, "Memory".
   """
 
   use GenServer
   require Logger
 
-  alias Moat.{Client, Protocol}
+  alias Moat.{Client, Finalizer, Protocol, Releaser}
 
   @doc false
   def child_spec(opts) do
@@ -91,6 +95,9 @@ defmodule Moat.Worker do
       ])
 
     with {:ok, info} <- await_hello(port, Keyword.get(opts, :hello_timeout, 15_000)) do
+      warn_without_finalizer()
+      {:ok, releaser} = Releaser.start_link(gc_nudge: setting.(:gc_nudge, 1_000))
+
       conn = %Client{
         name: name,
         port: port,
@@ -98,11 +105,13 @@ defmodule Moat.Worker do
         owner: self(),
         table: :ets.new(:moat_calls, [:set, :public, write_concurrency: true]),
         counters: Client.new_counters(),
+        releaser: releaser,
         window: setting.(:window, 1024),
         chunk_bytes: chunk,
         info: info
       }
 
+      Releaser.attach(releaser, conn)
       Client.publish(conn)
       :telemetry.execute([:moat, :worker, :up], %{system_time: System.system_time()}, %{
         worker: name,
@@ -111,6 +120,19 @@ defmodule Moat.Worker do
       })
 
       {:ok, %{conn: conn, waiters: [], down: nil}}
+    end
+  end
+
+  defp warn_without_finalizer do
+    key = {__MODULE__, :warned_finalizer}
+
+    if not Finalizer.loaded?() and not :persistent_term.get(key, false) do
+      :persistent_term.put(key, true)
+
+      Logger.warning(
+        "Moat: the finalizer NIF is not loaded (#{inspect(Finalizer.load_error())}); tensors are " <>
+          "released only by Nx.backend_deallocate/1, Moat.scope/1 or a worker restart"
+      )
     end
   end
 
@@ -172,6 +194,12 @@ defmodule Moat.Worker do
     {:stop, {:shutdown, {:worker_died, how}}, %{state | down: how}}
   end
 
+  def handle_info({:EXIT, pid, reason}, %{conn: %{releaser: pid}} = state) do
+    how = "its releaser exited (#{inspect(reason)})"
+    Logger.error("Moat worker #{inspect(state.conn.name)}: #{how}; restarting")
+    {:stop, {:shutdown, {:worker_died, how}}, %{state | down: how}}
+  end
+
   def handle_info(_other, state), do: {:noreply, state}
 
   @impl true
@@ -207,6 +235,17 @@ defmodule Moat.Worker do
     {ready, waiting} = Enum.split_with(state.waiters, fn {target, _} -> target <= n end)
     Enum.each(ready, fn {_, from} -> GenServer.reply(from, :ok) end)
     %{state | waiters: waiting}
+  end
+
+  defp route({:memory_pressure, active}, _payload, state) do
+    # Collections free tensors only through the finalizer's tokens.
+    if Finalizer.loaded?() do
+      Client.record_pressure(state.conn)
+      send(state.conn.releaser, {:memory_pressure, active})
+    end
+
+    :telemetry.execute([:moat, :memory, :pressure], %{active: active}, %{worker: state.conn.name})
+    state
   end
 
   defp route({:ok, seq, result}, payload, state), do: reply(state, seq, {:ok, result, payload})

@@ -56,6 +56,26 @@ const void* moat_array_data(const moat_array* a);
 int moat_eval(moat_array* const* arrays, size_t n);
 int moat_async_eval(moat_array* const* arrays, size_t n);
 
+// Memory (memory.cpp): MLX's allocator statistics and limits.
+size_t moat_active_memory(void);
+size_t moat_peak_memory(void);
+size_t moat_cache_memory(void);
+size_t moat_memory_limit(void);
+int moat_reset_peak_memory(void);
+int moat_set_memory_limit(size_t limit, size_t* previous);
+int moat_set_cache_limit(size_t limit, size_t* previous);
+int moat_clear_cache(void);
+// The lazy graph behind an array: its status, identity, op, inputs and
+// siblings (handles written to *out are new and owned by the caller).
+int moat_array_unscheduled(const moat_array* a);
+uintptr_t moat_array_id(const moat_array* a);
+// The name of the op that computes the array (static), or NULL for none.
+const char* moat_array_primitive(const moat_array* a);
+size_t moat_array_num_inputs(const moat_array* a);
+int moat_array_input(const moat_array* a, size_t i, moat_array** out);
+size_t moat_array_num_siblings(const moat_array* a);
+int moat_array_sibling(const moat_array* a, size_t i, moat_array** out);
+
 // Ops, one section per family (shim/<family>.cpp). Each writes a new array
 // to *out.
 

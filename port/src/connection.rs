@@ -5,6 +5,7 @@
 //! bytes are copied once, from the pipe into their final place. The writer
 //! owns the output pipe and splits large readbacks into `chunk_bytes` frames.
 
+use crate::budget::budget;
 use crate::frame::{write_frame, FrameReader, Head, Limits};
 use crate::mlx::{Buffer, Dtype, Evaluated};
 use crate::protocol::{self, Id, Malformed, Request};
@@ -117,6 +118,10 @@ fn start_upload<R: Read>(
         frames.skip_payload()?;
         let message = format!("payload of {payload_len} bytes exceeds the tensor's {total} bytes");
         return Ok(refuse(req, "from_binary", message));
+    }
+    if let Err(e) = budget().admit(total) {
+        frames.skip_payload()?;
+        return Ok(refuse(req, "from_binary", format!("from_binary: {e}")));
     }
     let mut buffer = match Buffer::alloc(total) {
         Ok(b) => b,

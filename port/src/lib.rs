@@ -1,9 +1,11 @@
 //! Moat's MLX worker. `main.rs` wires the threads; the modules follow the
 //! layers of protocol.md: `term` and `frame` (bytes), `protocol` (typed
 //! headers), `connection` (reader and writer threads), `session` (the MLX
-//! thread) and `checks` (what every op's outputs must pass), `registry` (ids to arrays), `ops` (the op table), `mlx` (the safe
-//! layer over the C++ shim) and `sys` (OS calls).
+//! thread), `checks` (what every op's outputs must pass), `registry` (ids to
+//! arrays), `budget` (the memory limit), `ops` (the op table), `mlx` (the
+//! safe layer over the C++ shim) and `sys` (OS calls).
 
+pub mod budget;
 pub mod checks;
 pub mod connection;
 pub mod frame;

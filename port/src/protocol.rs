@@ -87,6 +87,10 @@ pub fn ok(seq: u64, result: Term) -> Term {
     Term::tuple(vec![Term::atom("ok"), Term::int(seq), result])
 }
 
+pub fn memory_pressure(active: usize) -> Term {
+    Term::tuple(vec![Term::atom("memory_pressure"), Term::int(active as u64)])
+}
+
 pub fn more(seq: u64) -> Term {
     Term::tuple(vec![Term::atom("more"), Term::int(seq)])
 }

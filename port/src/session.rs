@@ -1,15 +1,18 @@
 //! The thread that owns the MLX stream: it runs every request in arrival
 //! order, keeps the registry, and acknowledges progress.
 
+use crate::budget::{self, budget, EvalError, Pressure};
 use crate::checks::Checks;
 use crate::connection::{Incoming, Outgoing, Upload};
-use crate::mlx::{self, Array};
+use crate::mlx::{self, memory, Array};
 use crate::ops;
 use crate::protocol::{self, Id, Malformed, Request};
 use crate::registry::{Failure, Registry};
 use crate::term::Term;
 use crossbeam_channel::{Receiver, Sender, TryRecvError};
 use std::rc::Rc;
+
+mod memory_calls;
 
 /// Requests between two unprompted acknowledgements.
 const ACK_EVERY: u64 = 64;
@@ -21,11 +24,20 @@ pub struct Session {
     out: Sender<Outgoing>,
     processed: u64,
     acked: u64,
+    pressure: Pressure,
 }
 
 impl Session {
     pub fn new(generation: u64, out: Sender<Outgoing>) -> Session {
-        Session { generation, checks: Checks::default(), registry: Registry::default(), out, processed: 0, acked: 0 }
+        Session {
+            generation,
+            checks: Checks::default(),
+            registry: Registry::default(),
+            out,
+            processed: 0,
+            acked: 0,
+            pressure: Pressure::default(),
+        }
     }
 
     /// The checks applied to every op's outputs (see `checks`).
@@ -49,6 +61,9 @@ impl Session {
                 Err(TryRecvError::Disconnected) => return,
             };
             self.handle(msg);
+            if let Some(active) = self.pressure.observe(memory::active()) {
+                self.send(Outgoing::Frame(protocol::memory_pressure(active)));
+            }
             self.processed += 1;
             if self.processed - self.acked >= ACK_EVERY {
                 self.ack();
@@ -106,6 +121,9 @@ impl Session {
             "release" => req.ins.iter().for_each(|id| {
                 self.registry.release(*id);
             }),
+            "memory_info" | "reset_peak_memory" | "clear_cache" | "set_memory_limit" | "set_cache_limit" => {
+                self.memory_call(&req)
+            }
             _ => self.build(&req),
         }
     }
@@ -143,6 +161,9 @@ impl Session {
         };
         match outputs {
             Ok(arrays) if arrays.len() == req.outs.len() => {
+                if let Err(e) = budget::admit_results(&arrays) {
+                    return self.fail(req.seq, &req.outs, Failure::new(&req.op, e.to_string()));
+                }
                 for (id, array) in req.outs.iter().zip(arrays) {
                     self.registry.insert(*id, array);
                 }
@@ -179,6 +200,11 @@ impl Session {
 
     fn to_binary(&mut self, req: &Request) {
         let result = self.single(req).and_then(|array| {
+            eval_within_budget(&[array], &req.op)?;
+            if !array.row_contiguous() {
+                // Reading back copies it into one dense block first.
+                budget().admit(array.nbytes()).map_err(|e| Failure::new(&req.op, e.to_string()))?;
+            }
             let evaluated = array.evaluate().map_err(|e| Failure::new(&req.op, e.message))?;
             let info = metadata(evaluated.array(), Some(evaluated.bytes().len()));
             Ok((info, evaluated))
@@ -197,7 +223,7 @@ impl Session {
         let result = self
             .registry
             .inputs(&req.ins, &req.op)
-            .and_then(|arrays| mlx::eval(&arrays).map_err(|e| Failure::new(&req.op, e.message)));
+            .and_then(|arrays| eval_within_budget(&arrays, &req.op));
         match result {
             Ok(()) => self.reply(req.seq, Term::atom("nil")),
             Err(failure) => self.fail(req.seq, &[], failure),
@@ -207,6 +233,9 @@ impl Session {
     fn async_eval(&mut self, req: &Request) {
         // Errors resurface at the next blocking call on these ids.
         if let Ok(arrays) = self.registry.inputs(&req.ins, &req.op) {
+            if let Err(e) = budget::admit_evaluation(&arrays) {
+                return log::debug!("async_eval skipped: {e}");
+            }
             if let Err(e) = mlx::async_eval(&arrays) {
                 log::debug!("async_eval: {e}");
             }
@@ -222,6 +251,14 @@ impl Session {
             Err(failure) => self.fail(req.seq, &[], failure),
         }
     }
+}
+
+/// Evaluates `arrays` within the memory limit (see `budget::evaluate`).
+fn eval_within_budget(arrays: &[&Array], op: &str) -> Result<(), Rc<Failure>> {
+    budget::evaluate(arrays).map_err(|e| match e {
+        EvalError::Exceeded(e) => Failure::new(op, e.to_string()),
+        EvalError::Mlx(e) => Failure::new(op, e.message),
+    })
 }
 
 fn metadata(array: &Array, bytes: Option<usize>) -> Term {

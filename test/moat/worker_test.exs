@@ -86,13 +86,15 @@ defmodule Moat.WorkerTest do
       conn = Client.conn(worker)
       one = Moat.from_binary(f32([1.0]), {1}, {:f, 32}, worker: worker)
 
-      last =
-        Enum.reduce(1..3_000, one, fn _, acc ->
+      # Every handle stays alive, so no :release frame (another sender)
+      # shares the window while it is measured.
+      [last | _] =
+        Enum.reduce(1..3_000, [one], fn _, [acc | _] = all ->
           id = Client.new_id()
           Client.cast(conn, :add, [id], Client.ids!(conn, [acc, one], :add), %{type: {:f, 32}})
           sent = :atomics.get(conn.counters, 2)
           assert sent - Client.acked(conn) <= 16
-          Client.ref(conn, id)
+          [Client.ref(conn, id) | all]
         end)
 
       assert Moat.to_binary(last) == f32([3001.0])

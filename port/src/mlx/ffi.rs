@@ -45,6 +45,23 @@ extern "C" {
     pub fn moat_eval(arrays: *const *mut moat_array, n: usize) -> c_int;
     pub fn moat_async_eval(arrays: *const *mut moat_array, n: usize) -> c_int;
 
+    // -- memory
+    pub fn moat_active_memory() -> usize;
+    pub fn moat_peak_memory() -> usize;
+    pub fn moat_cache_memory() -> usize;
+    pub fn moat_memory_limit() -> usize;
+    pub fn moat_reset_peak_memory() -> c_int;
+    pub fn moat_set_memory_limit(limit: usize, previous: *mut usize) -> c_int;
+    pub fn moat_set_cache_limit(limit: usize, previous: *mut usize) -> c_int;
+    pub fn moat_clear_cache() -> c_int;
+    pub fn moat_array_unscheduled(a: *const moat_array) -> c_int;
+    pub fn moat_array_id(a: *const moat_array) -> usize;
+    pub fn moat_array_primitive(a: *const moat_array) -> *const c_char;
+    pub fn moat_array_num_inputs(a: *const moat_array) -> usize;
+    pub fn moat_array_input(a: *const moat_array, i: usize, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_array_num_siblings(a: *const moat_array) -> usize;
+    pub fn moat_array_sibling(a: *const moat_array, i: usize, out: *mut *mut moat_array) -> c_int;
+
     // -- shape and type
     pub fn moat_astype(a: *const moat_array, dtype: c_int, out: *mut *mut moat_array) -> c_int;
     pub fn moat_contiguous(a: *const moat_array, out: *mut *mut moat_array) -> c_int;

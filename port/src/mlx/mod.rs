@@ -7,6 +7,7 @@
 mod array;
 mod dtype;
 mod ffi;
+pub mod memory;
 pub mod ops;
 
 pub use array::{Array, Buffer, Element, Evaluated};

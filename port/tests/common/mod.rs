@@ -49,7 +49,7 @@ impl Worker {
         self.to.write_all(bytes).expect("write raw");
     }
 
-    /// The next frame that is not an ack.
+    /// The next frame that is not an ack or a memory pressure report.
     pub fn recv(&mut self) -> (Term, Vec<u8>) {
         loop {
             let mut len = [0u8; 4];
@@ -57,7 +57,7 @@ impl Worker {
             let mut body = vec![0u8; u32::from_be_bytes(len) as usize];
             self.from.read_exact(&mut body).expect("read packet");
             let (header, payload) = split_body(&body).expect("worker frame");
-            if matches!(header.as_tuple(), Some([a, _]) if a.is_atom("ack")) {
+            if matches!(header.as_tuple(), Some([a, _]) if a.is_atom("ack") || a.is_atom("memory_pressure")) {
                 continue;
             }
             return (header, payload.to_vec());

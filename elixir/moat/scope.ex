@@ -1,0 +1,57 @@
+defmodule Moat.Scope do
+  @moduledoc false
+  # `Moat.scope/1`: the ids created by this process inside a scope, kept in
+  # the process dictionary as {worker, generation, id} (not the handles, so
+  # that garbage inside a long scope is still released automatically). The
+  # handles' tokens are not marked, so an id a scope released may be sent
+  # again when its handle is collected; the worker ignores unknown ids.
+
+  alias Moat.{Client, Ref}
+
+  @key :moat_scope
+
+  @doc false
+  def record(worker, generation, id) do
+    case Process.get(@key) do
+      nil -> :ok
+      created -> Process.put(@key, [{worker, generation, id} | created])
+    end
+  end
+
+  @doc false
+  def run(fun) when is_function(fun, 0) do
+    outer = Process.put(@key, [])
+
+    try do
+      fun.()
+    catch
+      kind, reason ->
+        close(outer, MapSet.new())
+        :erlang.raise(kind, reason, __STACKTRACE__)
+    else
+      result ->
+        close(outer, collect(result, MapSet.new()))
+        result
+    end
+  end
+
+  # Releases what the scope created except `keep`; what it keeps belongs to
+  # the enclosing scope, if any.
+  defp close(outer, keep) do
+    created = Process.delete(@key) || []
+    {kept, dropped} = Enum.split_with(created, fn {_, _, id} -> MapSet.member?(keep, id) end)
+    if outer, do: Process.put(@key, kept ++ outer)
+
+    dropped
+    |> Enum.group_by(fn {worker, g, _} -> {worker, g} end, fn {_, _, id} -> id end)
+    |> Enum.each(fn {{worker, g}, ids} -> Client.release_ids(worker, g, ids) end)
+  end
+
+  # The ids of every handle inside a term (tensors, containers, structs).
+  defp collect(%Ref{id: id}, acc), do: MapSet.put(acc, id)
+  defp collect(%_{} = struct, acc), do: struct |> Map.from_struct() |> collect(acc)
+  defp collect(map, acc) when is_map(map), do: Enum.reduce(map, acc, fn {k, v}, acc -> collect(v, collect(k, acc)) end)
+  defp collect([head | tail], acc), do: collect(tail, collect(head, acc))
+  defp collect(tuple, acc) when is_tuple(tuple), do: tuple |> Tuple.to_list() |> collect(acc)
+  defp collect(_other, acc), do: acc
+end

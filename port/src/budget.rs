@@ -1,0 +1,266 @@
+//! The worker's memory limit.
+//!
+//! MLX's CPU allocator ignores MLX's memory limit and returns NULL when
+//! malloc fails, and MLX then crashes. So the worker checks every allocation
+//! it can see coming against its own limit, before it happens:
+//!
+//! * an upload, before its buffer is allocated (reader thread);
+//! * each op's outputs, when the op is built (session thread);
+//! * an evaluation (`evaluate`), before it runs: the output bytes of every
+//!   not-yet-evaluated node it would compute (`mlx::memory::pending`),
+//!   reserved while it runs. A lazy chain too long to fit at once is
+//!   evaluated in steps that each fit, so that what MLX frees between steps
+//!   (intermediates nothing holds) makes room for the next.
+//!
+//! A request that does not fit fails with a message naming the sizes, and the
+//! worker keeps serving. The limit covers results (every array MLX would
+//! allocate), not scratch space inside a kernel; views (broadcasts,
+//! transposes, slices, reshapes of dense tensors) count nothing. The budget
+//! is process-wide, like MLX's allocator.
+
+use crate::mlx::{self, memory, Array};
+use std::fmt;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::OnceLock;
+
+pub struct Budget {
+    limit: AtomicUsize,
+    cache_limit: AtomicUsize,
+    /// Bytes an evaluation in progress may still allocate.
+    reserved: AtomicUsize,
+}
+
+/// A request that would take the worker past its memory limit.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Exceeded {
+    pub need: usize,
+    pub in_use: usize,
+    pub limit: usize,
+}
+
+impl fmt::Display for Exceeded {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "memory limit exceeded: needs {}, {} in use, limit {} (Moat.set_memory_limit/1)",
+            human(self.need),
+            human(self.in_use),
+            human(self.limit)
+        )
+    }
+}
+
+/// Holds bytes of the budget while an evaluation allocates them.
+pub struct Reservation(usize);
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        budget().reserved.fetch_sub(self.0, Ordering::AcqRel);
+    }
+}
+
+/// The worker's budget. Its limit starts at MLX's default memory limit and
+/// its cache limit at MLX's default, which is the memory limit.
+pub fn budget() -> &'static Budget {
+    static BUDGET: OnceLock<Budget> = OnceLock::new();
+    BUDGET.get_or_init(|| {
+        let limit = memory::limit();
+        Budget { limit: AtomicUsize::new(limit), cache_limit: AtomicUsize::new(limit), reserved: AtomicUsize::new(0) }
+    })
+}
+
+impl Budget {
+    pub fn limit(&self) -> usize {
+        self.limit.load(Ordering::Acquire)
+    }
+
+    pub fn cache_limit(&self) -> usize {
+        self.cache_limit.load(Ordering::Acquire)
+    }
+
+    /// Sets the limit (MLX's too, which MLX's GPU allocator enforces);
+    /// returns the previous one.
+    pub fn set_limit(&self, bytes: usize) -> crate::mlx::Result<usize> {
+        memory::set_limit(bytes)?;
+        Ok(self.limit.swap(bytes, Ordering::AcqRel))
+    }
+
+    pub fn set_cache_limit(&self, bytes: usize) -> crate::mlx::Result<usize> {
+        memory::set_cache_limit(bytes)?;
+        Ok(self.cache_limit.swap(bytes, Ordering::AcqRel))
+    }
+
+    /// Checks that `need` more bytes fit under the limit, next to the live
+    /// buffers and any reservation. When they fit only without MLX's cache,
+    /// the cache is cleared first.
+    pub fn admit(&self, need: usize) -> Result<(), Exceeded> {
+        let limit = self.limit();
+        let in_use = memory::active().saturating_add(self.reserved.load(Ordering::Acquire));
+        let total = in_use.saturating_add(need);
+        if total > limit {
+            return Err(Exceeded { need, in_use, limit });
+        }
+        if total.saturating_add(memory::cache()) > limit {
+            // Freed buffers would otherwise keep the process above the limit.
+            let _ = memory::clear_cache();
+        }
+        Ok(())
+    }
+
+    /// Bytes that still fit under the limit.
+    pub fn room(&self) -> usize {
+        let in_use = memory::active().saturating_add(self.reserved.load(Ordering::Acquire));
+        self.limit().saturating_sub(in_use)
+    }
+
+    /// `admit`, then holds `need` bytes until the reservation drops.
+    pub fn reserve(&self, need: usize) -> Result<Reservation, Exceeded> {
+        self.admit(need)?;
+        self.reserved.fetch_add(need, Ordering::AcqRel);
+        Ok(Reservation(need))
+    }
+}
+
+/// Why a request does not fit, or MLX's error while finding out.
+#[derive(Debug)]
+pub enum EvalError {
+    Exceeded(Exceeded),
+    Mlx(mlx::Error),
+}
+
+impl fmt::Display for EvalError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            EvalError::Exceeded(e) => e.fmt(f),
+            EvalError::Mlx(e) => e.fmt(f),
+        }
+    }
+}
+
+/// Checks that the results of a newly built op fit.
+pub fn admit_results(arrays: &[Array]) -> Result<(), EvalError> {
+    let need = arrays.iter().try_fold(0usize, |sum, a| a.result_bytes().map(|b| sum.saturating_add(b)));
+    budget().admit(need.map_err(EvalError::Mlx)?).map_err(EvalError::Exceeded)
+}
+
+/// Checks that evaluating `arrays` at once fits (for `async_eval`, which
+/// cannot go in steps).
+pub fn admit_evaluation(arrays: &[&Array]) -> Result<(), EvalError> {
+    let need = memory::pending_bytes(arrays).map_err(EvalError::Mlx)?;
+    budget().admit(need).map_err(EvalError::Exceeded)
+}
+
+/// Evaluates `arrays` within the limit: at once when everything it would
+/// compute fits, otherwise in steps along the graph, each evaluating the
+/// nodes that fit in the room left. A single node that does not fit fails
+/// it, and so does a step that leaves too little room for the next.
+pub fn evaluate(arrays: &[&Array]) -> Result<(), EvalError> {
+    let pending = memory::pending(arrays).map_err(EvalError::Mlx)?;
+    let need = pending.iter().fold(0usize, |sum, p| sum.saturating_add(p.bytes));
+    if let Ok(_held) = budget().reserve(need) {
+        return mlx::eval(arrays).map_err(EvalError::Mlx);
+    }
+    let mut step: Vec<Array> = Vec::new();
+    let mut step_bytes = 0usize;
+    for p in pending {
+        if !step.is_empty() && step_bytes.saturating_add(p.bytes) > budget().room() {
+            evaluate_step(std::mem::take(&mut step), step_bytes)?;
+            step_bytes = 0;
+        }
+        if step.is_empty() {
+            budget().admit(p.bytes).map_err(EvalError::Exceeded)?;
+        }
+        step_bytes = step_bytes.saturating_add(p.bytes);
+        step.push(p.node);
+    }
+    evaluate_step(step, step_bytes)?;
+    mlx::eval(arrays).map_err(EvalError::Mlx)
+}
+
+/// Evaluates the nodes of one step, then lets go of them: what nothing else
+/// holds (no later node, no registered tensor) is freed.
+fn evaluate_step(nodes: Vec<Array>, bytes: usize) -> Result<(), EvalError> {
+    let _held = budget().reserve(bytes).map_err(EvalError::Exceeded)?;
+    let refs: Vec<&Array> = nodes.iter().collect();
+    mlx::eval(&refs).map_err(EvalError::Mlx)
+}
+
+/// Watches the live buffers for the client's garbage collector.
+///
+/// A tensor handle is a few words on the BEAM's heap, so a process can drop
+/// gigabytes of tensors without its heap growing enough to collect. The
+/// worker therefore reports `{:memory_pressure, active}` whenever its live
+/// buffers grow by half since their last low point (by at least
+/// `MIN_STEP`), and the client collects the processes that create tensors.
+#[derive(Default)]
+pub struct Pressure {
+    low: usize,
+}
+
+impl Pressure {
+    pub const MIN_STEP: usize = 16 << 20;
+
+    /// `Some(active)` when it is time to report.
+    pub fn observe(&mut self, active: usize) -> Option<usize> {
+        self.low = self.low.min(active);
+        let threshold = self.low.saturating_add((self.low / 2).max(Self::MIN_STEP));
+        if active > threshold {
+            // Counts again from here; releases bring the low point down.
+            self.low = active;
+            Some(active)
+        } else {
+            None
+        }
+    }
+}
+
+fn human(bytes: usize) -> String {
+    const UNITS: [&str; 5] = ["bytes", "KiB", "MiB", "GiB", "TiB"];
+    let mut value = bytes as f64;
+    let mut unit = 0;
+    while value >= 1024.0 && unit < UNITS.len() - 1 {
+        value /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{bytes} bytes")
+    } else {
+        format!("{value:.1} {}", UNITS[unit])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_read_as_people_write_them() {
+        assert_eq!(human(512), "512 bytes");
+        assert_eq!(human(4 << 20), "4.0 MiB");
+        assert_eq!(human(3 << 29), "1.5 GiB");
+    }
+
+    #[test]
+    fn pressure_is_reported_after_growing_by_half_since_the_low_point() {
+        const MIB: usize = 1 << 20;
+        let mut p = Pressure::default();
+        assert_eq!(p.observe(10 * MIB), None, "below the minimum step");
+        assert_eq!(p.observe(17 * MIB), Some(17 * MIB));
+        assert_eq!(p.observe(30 * MIB), None);
+        assert_eq!(p.observe(34 * MIB), Some(34 * MIB));
+        // Releases bring it down to 20 MiB: the next report comes past 36.
+        assert_eq!(p.observe(20 * MIB), None);
+        assert_eq!(p.observe(36 * MIB), None);
+        assert_eq!(p.observe(37 * MIB), Some(37 * MIB));
+        // Past the minimum step, growth by half counts.
+        assert_eq!(p.observe(100 * MIB), Some(100 * MIB));
+        assert_eq!(p.observe(150 * MIB), None);
+        assert_eq!(p.observe(151 * MIB), Some(151 * MIB));
+    }
+
+    #[test]
+    fn the_message_names_need_use_and_limit() {
+        let e = Exceeded { need: 8 << 20, in_use: 1 << 20, limit: 4 << 20 };
+        assert_eq!(e.to_string(), "memory limit exceeded: needs 8.0 MiB, 1.0 MiB in use, limit 4.0 MiB (Moat.set_memory_limit/1)");
+    }
+}

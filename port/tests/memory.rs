@@ -1,0 +1,191 @@
+//! Memory statistics and the worker's own memory limit, through a real
+//! worker.
+
+mod common;
+
+use common::*;
+use moat_port::term::Term;
+use std::time::Duration;
+
+const MIB: u64 = 1 << 20;
+
+/// A blocking call with no inputs: its result, or the error tuple.
+fn call(w: &mut Worker, seq: u64, op: &str, attrs: Term) -> Result<Term, Term> {
+    w.request(seq, op, &[], &[], attrs);
+    let (reply, _) = w.recv();
+    let items = reply.as_tuple().expect("reply").to_vec();
+    assert_eq!(items[1], Term::int(seq));
+    if items[0].is_atom("ok") {
+        Ok(items[2].clone())
+    } else {
+        Err(reply)
+    }
+}
+
+fn stat(w: &mut Worker, seq: u64, key: &str) -> u64 {
+    let info = call(w, seq, "memory_info", nil()).expect("memory_info");
+    info.get(key).and_then(Term::as_int).unwrap_or_else(|| panic!("no {key} in {info}")) as u64
+}
+
+/// A 1 MiB f32 tensor of ones.
+fn upload_mib(w: &mut Worker, id: u64) {
+    w.upload_f32(id, &[512, 512], &vec![1.0; 512 * 512]);
+}
+
+#[test]
+fn memory_info_reports_the_allocator_and_the_registry() {
+    let mut w = Worker::start(&[]);
+    let info = call(&mut w, 1, "memory_info", nil()).unwrap();
+    for key in ["active", "peak", "cache", "limit", "cache_limit", "tensors"] {
+        assert!(info.get(key).and_then(Term::as_int).is_some(), "{key} missing from {info}");
+    }
+    assert!(stat(&mut w, 2, "limit") > 0);
+    upload_mib(&mut w, 1);
+    w.request(0, "add", &[2], &[1, 1], typed("f", 32));
+    w.read_f32(3, 2);
+    assert_eq!(stat(&mut w, 4, "active"), 2 * MIB);
+    assert_eq!(stat(&mut w, 5, "tensors"), 2);
+    w.request(0, "release", &[], &[2], nil());
+    assert_eq!(stat(&mut w, 6, "active"), MIB);
+    assert_eq!(stat(&mut w, 7, "cache"), MIB, "freed buffers stay cached");
+    assert_eq!(stat(&mut w, 8, "peak"), 2 * MIB);
+    call(&mut w, 9, "reset_peak_memory", nil()).unwrap();
+    assert_eq!(stat(&mut w, 10, "peak"), 0, "MLX starts the peak over from zero");
+    upload_mib(&mut w, 3);
+    assert_eq!(stat(&mut w, 13, "peak"), 2 * MIB);
+    call(&mut w, 11, "clear_cache", nil()).unwrap();
+    assert_eq!(stat(&mut w, 12, "cache"), 0);
+    w.close(Duration::from_secs(1));
+}
+
+#[test]
+fn limits_return_the_previous_value_and_refuse_bad_counts() {
+    let mut w = Worker::start(&[]);
+    let default = stat(&mut w, 1, "limit");
+    assert_eq!(call(&mut w, 2, "set_memory_limit", Term::int(64 * MIB)).unwrap(), Term::int(default));
+    assert_eq!(call(&mut w, 3, "set_memory_limit", Term::int(default)).unwrap(), Term::int(64 * MIB));
+    assert_eq!(call(&mut w, 4, "set_cache_limit", Term::int(0u64)).unwrap(), Term::int(default));
+    assert_eq!(stat(&mut w, 5, "cache_limit"), 0);
+    upload_mib(&mut w, 1);
+    w.request(0, "release", &[], &[1], nil());
+    assert_eq!(stat(&mut w, 6, "cache"), 0, "a cache limit of 0 keeps nothing");
+    let (op, message) = error_parts(&call(&mut w, 7, "set_memory_limit", Term::int(-1)).unwrap_err());
+    assert_eq!(op, "set_memory_limit");
+    assert!(message.contains("takes a byte count"), "{message}");
+    w.close(Duration::from_secs(1));
+}
+
+#[test]
+fn an_upload_over_the_limit_is_refused_and_the_worker_keeps_serving() {
+    let mut w = Worker::start(&[]);
+    call(&mut w, 1, "set_memory_limit", Term::int(4 * MIB)).unwrap();
+    w.upload_f32(1, &[2048, 1024], &vec![0.5; 2048 * 1024]);
+    // The refusal of a fire-and-forget frame is reported unprompted.
+    let (op, message) = error_parts(&w.recv().0);
+    assert_eq!(op, "from_binary");
+    assert!(message.contains("memory limit exceeded: needs 8.0 MiB"), "{message}");
+    let (op, message) = error_parts(&w.read(2, 1).unwrap_err());
+    assert_eq!(op, "from_binary");
+    assert!(message.contains("memory limit exceeded"), "{message}");
+    upload_mib(&mut w, 3);
+    assert_eq!(w.read_f32(3, 3).len(), 512 * 512);
+    w.close(Duration::from_secs(1));
+}
+
+#[test]
+fn an_op_whose_output_exceeds_the_limit_fails_when_it_is_built() {
+    let mut w = Worker::start(&[]);
+    call(&mut w, 1, "set_memory_limit", Term::int(16 * MIB)).unwrap();
+    w.upload_f32(1, &[1], &[2.0]);
+    // The broadcast is a view: it allocates nothing. The sum of two does.
+    let huge = moat_port::protocol::map(vec![("shape", moat_port::protocol::shape_term(&[1 << 30]))]);
+    w.request(0, "broadcast_to", &[2], &[1], huge);
+    w.request(0, "add", &[3], &[2, 2], typed("f", 32));
+    w.request(0, "add", &[4], &[3, 1], typed("f", 32));
+    let (op, message) = error_parts(&w.read(2, 4).unwrap_err());
+    assert_eq!(op, "add");
+    assert!(message.contains("memory limit exceeded: needs 4.0 GiB"), "{message}");
+    assert_eq!(w.read_f32(3, 1), vec![2.0]);
+    w.close(Duration::from_secs(1));
+}
+
+#[test]
+fn views_count_nothing() {
+    let mut w = Worker::start(&[]);
+    call(&mut w, 1, "set_memory_limit", Term::int(16 * MIB)).unwrap();
+    w.upload_f32(1, &[1], &[2.0]);
+    let wide = moat_port::protocol::map(vec![("shape", moat_port::protocol::shape_term(&[8 << 20]))]);
+    w.request(0, "broadcast_to", &[2], &[1], wide);
+    let sum_attrs = moat_port::protocol::map(vec![
+        ("axes", ids(&[0])),
+        ("keep_axes", Term::atom("false")),
+        ("type", Term::tuple(vec![Term::atom("f"), Term::int(32)])),
+    ]);
+    w.request(0, "sum", &[3], &[2], sum_attrs);
+    assert_eq!(w.read_f32(2, 3), vec![2.0 * (8 << 20) as f32]);
+    // A reshape of an evaluated dense tensor is a view as well.
+    w.upload_f32(4, &[1024, 1024], &vec![1.0; 1 << 20]);
+    for (id, shape) in [(5, [1 << 20, 1]), (6, [1, 1 << 20]), (7, [512, 2048])] {
+        let attrs = moat_port::protocol::map(vec![("shape", moat_port::protocol::shape_term(&shape))]);
+        w.request(0, "reshape", &[id], &[4], attrs);
+    }
+    w.request(3, "eval", &[], &[5, 6, 7], nil());
+    assert!(w.recv().0.as_tuple().unwrap()[0].is_atom("ok"));
+    assert!(stat(&mut w, 4, "peak") < 5 * MIB, "neither the sum of the broadcast nor the reshapes copied");
+    w.close(Duration::from_secs(1));
+}
+
+#[test]
+fn a_lazy_chain_whose_results_are_all_held_does_not_evaluate_past_the_limit() {
+    let mut w = Worker::start(&[]);
+    call(&mut w, 1, "set_memory_limit", Term::int(8 * MIB)).unwrap();
+    upload_mib(&mut w, 1);
+    // Twelve 1 MiB steps, every one a registered tensor: each fits when it
+    // is built, all of them do not.
+    for id in 2..14 {
+        w.request(0, "add", &[id], &[id - 1, 1], typed("f", 32));
+    }
+    let (op, message) = error_parts(&w.read(2, 13).unwrap_err());
+    assert_eq!(op, "to_binary");
+    assert!(message.contains("memory limit exceeded: needs 1.0 MiB, 8.0 MiB in use, limit 8.0 MiB"), "{message}");
+    assert!(stat(&mut w, 3, "peak") <= 8 * MIB);
+    // Not poisoned: with room, the same tensor evaluates.
+    call(&mut w, 4, "set_memory_limit", Term::int(64 * MIB)).unwrap();
+    assert!(w.read_f32(5, 13).iter().all(|v| *v == 13.0));
+    w.close(Duration::from_secs(1));
+}
+
+#[test]
+fn a_lazy_chain_longer_than_the_limit_evaluates_in_steps() {
+    let mut w = Worker::start(&[]);
+    call(&mut w, 1, "set_memory_limit", Term::int(8 * MIB)).unwrap();
+    upload_mib(&mut w, 1);
+    // Forty 1 MiB steps, of which only the last is registered: 40 MiB of
+    // results in all, but MLX frees each step once the next has read it.
+    for id in 2..42 {
+        w.request(0, "add", &[id], &[id - 1, 1], typed("f", 32));
+        if id > 2 {
+            w.request(0, "release", &[], &[id - 1], nil());
+        }
+    }
+    w.request(2, "eval", &[], &[41], nil());
+    assert_eq!(w.recv().0.as_tuple().unwrap()[0], Term::atom("ok"));
+    assert!(stat(&mut w, 3, "peak") <= 8 * MIB, "the limit held during evaluation");
+    assert!(w.read_f32(4, 41).iter().all(|v| *v == 41.0));
+    assert_eq!(stat(&mut w, 5, "active"), 2 * MIB);
+    w.close(Duration::from_secs(1));
+}
+
+#[test]
+fn the_cache_is_cleared_when_only_it_stands_in_the_way() {
+    let mut w = Worker::start(&[]);
+    call(&mut w, 1, "set_memory_limit", Term::int(3 * MIB)).unwrap();
+    upload_mib(&mut w, 1);
+    upload_mib(&mut w, 2);
+    w.request(0, "release", &[], &[1, 2], nil());
+    assert_eq!(stat(&mut w, 2, "cache"), 2 * MIB);
+    w.upload_f32(3, &[1024, 512], &vec![1.0; 1024 * 512]);
+    assert_eq!(w.read_f32(4, 3).len(), 1024 * 512);
+    assert!(stat(&mut w, 5, "cache") + stat(&mut w, 6, "active") <= 3 * MIB);
+    w.close(Duration::from_secs(1));
+}

@@ -56,4 +56,26 @@ defmodule Moat.Protocol do
   end
 
   def decode(frame), do: {:error, "frame of #{byte_size(frame)} bytes is shorter than its header"}
+
+  @doc """
+  The sequence number of a reply frame whose header `decode/1` refused (for
+  example for an atom this VM does not know): replies are
+  `{tag, seq, ...}` tuples, so the tag and seq are read without decoding the
+  rest.
+  """
+  @spec peek_seq(binary()) :: {:ok, non_neg_integer()} | :error
+  def peek_seq(<<len::32, 131, 104, arity, rest::binary>>) when arity >= 2 and len >= 3 do
+    with {:ok, rest} <- skip_atom(rest), do: read_uint(rest)
+  end
+
+  def peek_seq(_frame), do: :error
+
+  defp skip_atom(<<tag, n, _::binary-size(n), rest::binary>>) when tag in [115, 119], do: {:ok, rest}
+  defp skip_atom(<<tag, n::16, _::binary-size(n), rest::binary>>) when tag in [100, 118], do: {:ok, rest}
+  defp skip_atom(_), do: :error
+
+  defp read_uint(<<97, n, _::binary>>), do: {:ok, n}
+  defp read_uint(<<98, n::32-signed, _::binary>>) when n >= 0, do: {:ok, n}
+  defp read_uint(<<110, n, 0, digits::binary-size(n), _::binary>>), do: {:ok, :binary.decode_unsigned(digits, :little)}
+  defp read_uint(_), do: :error
 end

@@ -179,7 +179,7 @@ defmodule Moat.Worker do
 
       {:error, why} ->
         Logger.error("Moat worker sent a bad frame: #{why}")
-        {:noreply, state}
+        {:noreply, fail_undecodable(frame, why, state)}
     end
   end
 
@@ -269,6 +269,15 @@ defmodule Moat.Worker do
   defp route(other, _payload, state) do
     Logger.error("Moat worker sent an unexpected frame: #{inspect(other, limit: 20)}")
     state
+  end
+
+  # A reply that cannot be decoded must still end its call, or the caller
+  # would wait forever.
+  defp fail_undecodable(frame, why, state) do
+    case Protocol.peek_seq(frame) do
+      {:ok, seq} when seq > 0 -> reply(state, seq, {:error, :protocol, "the worker's reply could not be decoded: #{why}"})
+      _ -> state
+    end
   end
 
   defp reply(state, seq, msg) do

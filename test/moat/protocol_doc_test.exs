@@ -43,4 +43,17 @@ defmodule Moat.ProtocolDocTest do
     assert {:error, _} = Moat.Protocol.decode(<<3::32, 1, 2, 3>>)
     assert {:error, _} = Moat.Protocol.decode(<<9::32, 1>>)
   end
+
+  test "the seq of a reply that cannot be decoded safely can still be read" do
+    # {:ok, 300, :an_atom_this_vm_has_never_seen_xyzzy}, encoded by hand.
+    atom = "an_atom_this_vm_has_never_seen_xyzzy"
+    header = <<131, 104, 3, 119, 2, "ok", 98, 300::32, 119, byte_size(atom), atom::binary>>
+    frame = <<byte_size(header)::32, header::binary>>
+    assert {:error, _} = Moat.Protocol.decode(frame)
+    assert Moat.Protocol.peek_seq(frame) == {:ok, 300}
+
+    big = :erlang.term_to_binary({:ok, 2 ** 40, nil}, minor_version: 2)
+    assert Moat.Protocol.peek_seq(<<byte_size(big)::32, big::binary>>) == {:ok, 2 ** 40}
+    assert Moat.Protocol.peek_seq(<<3::32, 1, 2, 3>>) == :error
+  end
 end

@@ -5,6 +5,8 @@
 //! layer over the C++ shim) and `sys` (OS calls).
 
 pub mod connection;
+#[cfg(feature = "fault-injection")]
+pub mod fault;
 pub mod frame;
 pub mod mlx;
 pub mod ops;

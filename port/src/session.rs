@@ -66,7 +66,7 @@ impl Session {
             Incoming::Request { req, upload } => self.request(req, upload),
             Incoming::Malformed(Malformed { seq, op, outs, message }) => {
                 log::warn!("refused frame (seq {seq}, op {op}): {message}");
-                if seq == 0 {
+                if seq == 0 && !outs.is_empty() {
                     // No caller waits on it: report it unprompted so it is not lost.
                     self.send(Outgoing::Frame(protocol::error(0, &op, &message)));
                 }
@@ -98,16 +98,23 @@ impl Session {
             "release" => req.ins.iter().for_each(|id| {
                 self.registry.release(*id);
             }),
+            #[cfg(feature = "fault-injection")]
+            "fault" => match crate::fault::inject(&req.attrs) {
+                Ok(()) => self.reply(req.seq, Term::atom("nil")),
+                Err(message) => self.fail(req.seq, &req.outs, Failure::new("fault", message)),
+            },
             _ => self.build(&req),
         }
     }
 
-    /// Poisons `outs` and, for a call, replies with the failure.
+    /// Poisons `outs` and, for a call, replies with the failure. A failure
+    /// that neither a caller nor an id can carry is reported unprompted
+    /// (seq 0), so that it is not lost.
     fn fail(&mut self, seq: u64, outs: &[Id], failure: Rc<Failure>) {
         for id in outs {
             self.registry.poison(*id, failure.clone());
         }
-        if seq != 0 {
+        if seq != 0 || outs.is_empty() {
             self.send(Outgoing::Frame(protocol::error(seq, &failure.op, &failure.message)));
         }
     }

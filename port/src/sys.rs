@@ -54,3 +54,50 @@ pub fn exit_now(code: i32) -> ! {
 pub fn os_pid() -> u32 {
     std::process::id()
 }
+
+/// The ways MLX takes a process down, reproduced on purpose. Only test builds
+/// (feature `fault-injection`) have them.
+#[cfg(feature = "fault-injection")]
+pub mod crash {
+    /// SIGSEGV from a real invalid write, like MLX writing through the null
+    /// pointer of a failed allocation.
+    pub fn segfault() -> ! {
+        // SAFETY: deliberately not sound: a dangling pointer is address 8,
+        // which is never mapped (below vm.mmap_min_addr), so the write faults
+        // and the process dies.
+        unsafe { std::ptr::write_volatile(std::ptr::dangling_mut::<u64>(), 0) };
+        std::process::abort()
+    }
+
+    /// SIGFPE from a real division trap: `i32::MIN / -1` in `idiv`, which is
+    /// what MLX's CPU kernels do on `INT_MIN // -1`.
+    #[cfg(target_arch = "x86_64")]
+    pub fn divide_overflow() -> ! {
+        // SAFETY: deliberately traps (#DE); touches only the named registers.
+        unsafe {
+            std::arch::asm!(
+                "cdq",
+                "idiv {d:e}",
+                d = in(reg) -1i32,
+                inout("eax") i32::MIN => _,
+                out("edx") _,
+            )
+        };
+        std::process::abort()
+    }
+
+    /// SIGFPE (other architectures do not trap on integer division).
+    #[cfg(not(target_arch = "x86_64"))]
+    pub fn divide_overflow() -> ! {
+        // SAFETY: raise takes a signal number and no pointers.
+        unsafe { libc::raise(libc::SIGFPE) };
+        std::process::abort()
+    }
+
+    /// SIGKILL, as the OOM killer sends it.
+    pub fn kill() -> ! {
+        // SAFETY: kill takes a pid and a signal number, no pointers.
+        unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+        std::process::abort()
+    }
+}

@@ -3,6 +3,8 @@
 
 #![allow(dead_code)]
 
+pub mod report;
+
 use command_fds::{CommandFdExt, FdMapping};
 use moat_port::frame::{split_body, write_frame};
 use moat_port::term::Term;

@@ -44,6 +44,7 @@ fn main() {
     });
     env_logger::Builder::new().filter_level(opts.log_level).target(env_logger::Target::Stderr).init();
     exit_on_panic();
+    sys::hold_input_open(3);
     sys::die_with_parent();
     sys::default_sigchld();
 

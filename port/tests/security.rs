@@ -1,6 +1,6 @@
 //! What the worker touches: only the descriptors it was given, no sockets, no
-//! child processes, nothing run but its op table, and no tensor data in its
-//! log.
+//! child process but its input holder, nothing run but its op table, and no
+//! tensor data in its log.
 
 mod common;
 
@@ -24,12 +24,30 @@ fn open_fds(pid: u32) -> Vec<(u32, String)> {
     fds
 }
 
-fn children(pid: u32) -> String {
-    let mut all = String::new();
+fn children(pid: u32) -> Vec<u32> {
+    let mut all = Vec::new();
     for task in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap().flatten() {
-        all += &std::fs::read_to_string(task.path().join("children")).unwrap_or_default();
+        let list = std::fs::read_to_string(task.path().join("children")).unwrap_or_default();
+        all.extend(list.split_whitespace().map(|p| p.parse::<u32>().unwrap()));
     }
     all
+}
+
+/// The worker's only child is the input holder (see `sys::hold_input_open`):
+/// it holds the request pipe and nothing else. Returns its pid.
+fn only_the_input_holder(w: &Worker) -> u32 {
+    let kids = children(w.pid());
+    assert_eq!(kids.len(), 1, "the worker has children other than its input holder: {kids:?}");
+    let holder = kids[0];
+    assert_eq!(std::fs::read_to_string(format!("/proc/{holder}/comm")).unwrap().trim(), "moat_port-hold");
+    let worker_input = open_fds(w.pid()).into_iter().find(|(fd, _)| *fd == 3).unwrap().1;
+    assert_eq!(open_fds(holder), vec![(3, worker_input)], "the holder holds more than the request pipe");
+    holder
+}
+
+fn zombie(pid: u32) -> bool {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    stat.rsplit(") ").next().is_some_and(|rest| rest.starts_with('Z'))
 }
 
 /// Uploads, computes and reads back enough to wake every thread MLX and BLAS start.
@@ -70,8 +88,14 @@ fn the_worker_holds_only_the_descriptors_it_was_given_and_no_sockets() {
     assert_eq!(numbers, expected, "unexpected descriptors: {fds:?}");
     assert!(fds[3].1.starts_with("pipe:") && fds[4].1.starts_with("pipe:"), "fds 3 and 4 must be the pipes: {fds:?}");
     assert!(fds.iter().all(|(_, t)| !t.starts_with("socket:")), "a socket is open: {fds:?}");
-    assert_eq!(children(w.pid()), "", "the worker started a child process");
+    let holder = only_the_input_holder(&w);
     w.close(Duration::from_secs(1));
+    // The holder leaves once the client has closed the pipe.
+    let deadline = std::time::Instant::now() + Duration::from_secs(1);
+    while std::path::Path::new(&format!("/proc/{holder}/comm")).exists() && !zombie(holder) {
+        assert!(std::time::Instant::now() < deadline, "the input holder outlived its client");
+        std::thread::sleep(Duration::from_millis(5));
+    }
 }
 
 #[test]
@@ -87,7 +111,7 @@ fn nothing_outside_the_op_table_runs() {
         assert_eq!((failed.as_str(), message), (*op, format!("unknown op {op}")));
     }
     assert!(!std::path::Path::new("/tmp/moat-pwned").exists());
-    assert_eq!(children(w.pid()), "");
+    only_the_input_holder(&w);
     exercise(&mut w);
     assert!(w.close(Duration::from_secs(1)).success());
 }

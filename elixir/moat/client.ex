@@ -67,40 +67,30 @@ defmodule Moat.Client do
 
   @doc "Fresh tensor ids, unique across all workers and restarts."
   @spec new_ids(pos_integer()) :: [pos_integer()]
-  def new_ids(n) do
-    last = :atomics.add_get(ids(), 1, n)
-    Enum.to_list((last - n + 1)..last//1)
-  end
+  def new_ids(n), do: for(_ <- 1..n//1, do: new_id())
 
   @doc "One fresh tensor id."
   @spec new_id() :: pos_integer()
-  def new_id, do: :atomics.add_get(ids(), 1, 1)
-
-  defp ids do
-    case :persistent_term.get({__MODULE__, :ids}, nil) do
-      nil ->
-        # Racing creators are harmless: only one put wins and nobody has
-        # drawn from the loser.
-        ref = :atomics.new(1, signed: false)
-        :persistent_term.put({__MODULE__, :ids}, ref)
-        :persistent_term.get({__MODULE__, :ids})
-
-      ref ->
-        ref
-    end
-  end
+  # A VM-wide counter that needs no setup, so concurrent first callers can
+  # never draw the same id.
+  def new_id, do: :erlang.unique_integer([:positive, :monotonic])
 
   @doc "A handle for `id` in this connection's generation."
   @spec ref(t(), pos_integer()) :: Ref.t()
   def ref(%__MODULE__{name: name, generation: g}, id), do: %Ref{worker: name, generation: g, id: id}
 
   @doc """
-  The ids of handles, after checking they belong to this connection's
-  generation (a stale handle raises before anything is sent).
+  The ids of handles, after checking they belong to this connection's worker
+  and generation (a stale or foreign handle raises before anything is sent).
   """
   @spec ids!(t(), [Ref.t()], atom()) :: [pos_integer()]
-  def ids!(%__MODULE__{generation: g} = conn, refs, op) do
+  def ids!(%__MODULE__{name: name, generation: g} = conn, refs, op) do
     Enum.map(refs, fn
+      %Ref{worker: other} when other != name ->
+        raise ArgumentError,
+              "#{op}: the tensor lives in worker #{inspect(other)}, not #{inspect(name)}; " <>
+                "copy it there first (Nx.backend_copy/2 with the :worker option)"
+
       %Ref{generation: ^g, id: id} ->
         id
 
@@ -179,7 +169,7 @@ defmodule Moat.Client do
         {:error, failure(failed_op, message)}
 
       {:DOWN, ^mref, :process, _, reason} ->
-        {:error, Error.new(:worker_died, op, died(reason))}
+        {:error, Error.new(:worker_died, op, died(reason, conn))}
     after
       timeout ->
         forget(conn, seq, mref)
@@ -202,9 +192,37 @@ defmodule Moat.Client do
   end
 
   @doc false
-  def died({:shutdown, {:worker_died, how}}), do: "the Moat worker died (#{how})"
-  def died(:noproc), do: "the Moat worker is not running (it is restarting or stopped)"
-  def died(reason), do: "the Moat worker's owner process exited: #{inspect(reason)}"
+  def died({:shutdown, {:worker_died, how}}, _conn), do: "the Moat worker died (#{how})"
+
+  def died(:noproc, conn) do
+    # The owner is already gone; it recorded how its worker died.
+    case :persistent_term.get({__MODULE__, conn.name, :down}, nil) do
+      {generation, how} when generation == conn.generation -> "the Moat worker died (#{how})"
+      _ -> "the Moat worker is not running (it is restarting or stopped)"
+    end
+  end
+
+  def died(reason, _conn), do: "the Moat worker's owner process exited: #{inspect(reason)}"
+
+  @doc false
+  # Called by the owner as it exits after its worker died, for callers that
+  # only find out later (see `died/2`).
+  def record_down(%__MODULE__{name: name, generation: generation}, how),
+    do: :persistent_term.put({__MODULE__, name, :down}, {generation, how})
+
+  # The port is gone, so the owner is exiting (or has exited) and its exit
+  # reason says how the worker died.
+  defp cause(conn) do
+    mref = Process.monitor(conn.owner)
+
+    receive do
+      {:DOWN, ^mref, :process, _, reason} -> died(reason, conn)
+    after
+      5_000 ->
+        Process.demonitor(mref, [:flush])
+        "the Moat worker's port is closed"
+    end
+  end
 
   defp admit(%__MODULE__{counters: c, window: window} = conn) do
     sent = :atomics.add_get(c, @sent, 1)
@@ -213,7 +231,7 @@ defmodule Moat.Client do
       try do
         GenServer.call(conn.owner, {:await_ack, sent - window}, :infinity)
       catch
-        :exit, reason -> raise Error.new(:worker_died, nil, died(exit_reason(reason)))
+        :exit, reason -> raise Error.new(:worker_died, nil, died(exit_reason(reason), conn))
       end
     end
 
@@ -227,7 +245,9 @@ defmodule Moat.Client do
     Port.command(conn.port, iodata)
     :ok
   rescue
-    ArgumentError ->
-      raise Error.new(:worker_unavailable, op, died(:noproc))
+    e in ArgumentError ->
+      # Only a closed port is the worker's doing.
+      if Port.info(conn.port), do: reraise(e, __STACKTRACE__)
+      raise Error.new(:worker_unavailable, op, cause(conn))
   end
 end

@@ -178,6 +178,8 @@ defmodule Moat.Worker do
 
   @impl true
   def terminate(reason, %{conn: conn} = state) do
+    if state.down, do: Client.record_down(conn, state.down)
+
     if state.down == nil do
       # A normal stop (application shutdown): closing the port gives the
       # worker end of input, and it exits.
@@ -236,6 +238,7 @@ defmodule Moat.Worker do
 
   @doc false
   def describe_exit(status) when status > 128, do: "killed by signal #{status - 128}#{signal_name(status - 128)}"
+  def describe_exit(101), do: "exited with status 101 (a panic; the worker's log has its message)"
   def describe_exit(status), do: "exited with status #{status}"
 
   defp signal_name(n) do

@@ -104,7 +104,11 @@ defmodule Moat.Reliability.CrashTest do
     receive do
       :stop -> send(test, {:stopped, self(), acc})
     after
-      0 -> caller(test, i, [job() | acc])
+      0 ->
+        result = job()
+        # Back off after a failure, as a real client would while the worker restarts.
+        if elem(result, 0) != :ok, do: Process.sleep(5)
+        caller(test, i, [result | acc])
     end
   end
 
@@ -183,6 +187,7 @@ defmodule Moat.Reliability.CrashTest do
       jobs: length(results),
       ok: Enum.count(results, &match?({:ok, _, _}, &1)),
       errors: Enum.count(results, &match?({{:error, _}, _, _}, &1)),
+      in_flight: Enum.count(results, fn {o, t0, t1} -> match?({:error, _}, o) and t0 < down_at and t1 > down_at end),
       back_ms: div(up_at - down_at, 1000),
       after_restart: Enum.count(results, fn {o, t0, _} -> o == :ok and t0 > up_at end)
     }
@@ -207,8 +212,9 @@ defmodule Moat.Reliability.CrashTest do
     sum = fn key -> stats |> Enum.map(&Map.fetch!(&1, key)) |> Enum.sum() end
     back = Enum.map(stats, & &1.back_ms)
 
-    "#{@callers} busy callers; #{sum.(:jobs)} jobs: #{sum.(:ok)} exact, #{sum.(:errors)} errors naming the cause, " <>
-      "0 wrong, 0 hung; back in #{Enum.min(back)}–#{Enum.max(back)} ms"
+    "#{@callers} busy callers, #{sum.(:jobs)} jobs: #{sum.(:ok)} exact (#{sum.(:after_restart)} after the restart), " <>
+      "#{sum.(:errors)} errors naming the cause (#{sum.(:in_flight)} in flight at the crash), 0 wrong, 0 hung; " <>
+      "worker back in #{Enum.min(back)}–#{Enum.max(back)} ms"
   end
 
   defp describe({:exit, code}), do: "worker exits (status #{code})"

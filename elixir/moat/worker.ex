@@ -26,8 +26,11 @@ defmodule Moat.Worker do
 
   use GenServer
   require Logger
+  import Bitwise, only: [<<<: 2]
 
   alias Moat.{Client, Protocol}
+
+  @u64 1 <<< 64
 
   @doc false
   def child_spec(opts) do
@@ -197,16 +200,18 @@ defmodule Moat.Worker do
     })
   end
 
-  defp route({:ack, n}, _payload, state) do
+  # Each clause matches only a well-formed frame; anything else (a worker
+  # whose memory MLX corrupted could write anything) is logged by the last.
+  defp route({:ack, n}, _payload, state) when is_integer(n) and n >= 0 and n < @u64 do
     Client.record_ack(state.conn, n)
     {ready, waiting} = Enum.split_with(state.waiters, fn {target, _} -> target <= n end)
     Enum.each(ready, fn {_, from} -> GenServer.reply(from, :ok) end)
     %{state | waiters: waiting}
   end
 
-  defp route({:ok, seq, result}, payload, state), do: reply(state, seq, {:ok, result, payload})
+  defp route({:ok, seq, result}, payload, state) when is_integer(seq), do: reply(state, seq, {:ok, result, payload})
 
-  defp route({:more, seq}, payload, state) do
+  defp route({:more, seq}, payload, state) when is_integer(seq) do
     case :ets.lookup(state.conn.table, seq) do
       [{^seq, alias}] -> send(alias, {alias, {:more, payload}})
       [] -> :ok
@@ -215,12 +220,13 @@ defmodule Moat.Worker do
     state
   end
 
-  defp route({:error, 0, op, message}, _payload, state) do
+  defp route({:error, 0, op, message}, _payload, state) when is_atom(op) and is_binary(message) do
     Logger.error("Moat worker refused a frame (#{op}): #{message}")
     state
   end
 
-  defp route({:error, seq, op, message}, _payload, state), do: reply(state, seq, {:error, op, message})
+  defp route({:error, seq, op, message}, _payload, state) when is_integer(seq) and is_atom(op) and is_binary(message),
+    do: reply(state, seq, {:error, op, message})
 
   defp route(other, _payload, state) do
     Logger.error("Moat worker sent an unexpected frame: #{inspect(other, limit: 20)}")

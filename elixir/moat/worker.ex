@@ -12,6 +12,13 @@ defmodule Moat.Worker do
   Handles from the old generation then raise a `:stale_generation`
   `Moat.Error`.
 
+  Both events carry `:worker`, `:generation` and `:os_pid`; `:down` adds
+  `:reason`, how the worker ended (`"killed by signal 11 (SIGSEGV)"`, or the
+  exit reason of a normal stop). Callers that reach a dead worker get a
+  `Moat.Error` naming the same cause. The application's supervisor restarts a
+  worker at most `config :moat, max_restarts: 20` times in `max_seconds: 5`;
+  a crash loop beyond that stops it rather than spinning.
+
   ## Options
 
     * `:name` - registered name, also the key of the connection (default `Moat.Worker`)
@@ -196,6 +203,7 @@ defmodule Moat.Worker do
     :telemetry.execute([:moat, :worker, :down], %{system_time: System.system_time()}, %{
       worker: conn.name,
       generation: conn.generation,
+      os_pid: conn.info.os_pid,
       reason: state.down || reason
     })
   end

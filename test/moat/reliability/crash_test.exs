@@ -82,7 +82,7 @@ defmodule Moat.Reliability.CrashTest do
     Process.sleep(Enum.random(20..120))
     inject.(worker)
 
-    assert_receive {:lifecycle, :down, %{generation: ^g, reason: reason}, down_at}, 10_000
+    assert_receive {:lifecycle, :down, %{generation: ^g, os_pid: ^os_pid, reason: reason}, down_at}, 10_000
     if fault == :mlx_alloc, do: assert_receive({:alloc, %Error{reason: :worker_died}}, @error_within_ms)
     expected_cause = if fault == :mlx_alloc, do: "SIGSEGV", else: Reliability.cause(fault)
     assert reason =~ expected_cause

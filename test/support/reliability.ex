@@ -102,6 +102,19 @@ defmodule Moat.Reliability do
     :ok
   end
 
+  @doc "The machine's available memory, in bytes (`MemAvailable`)."
+  def mem_available do
+    "/proc/meminfo"
+    |> File.read!()
+    |> String.split("\n")
+    |> Enum.find_value(fn line ->
+      case String.split(line) do
+        ["MemAvailable:", kb, "kB"] -> String.to_integer(kb) * 1024
+        _ -> nil
+      end
+    end)
+  end
+
   @doc "An integer setting from the environment (soak runs raise the counts)."
   def env_int(name, default) do
     case System.get_env(name) do

@@ -344,6 +344,7 @@ fn the_term_decoder_never_panics_and_what_it_accepts_reencodes_stably() {
         }
     });
     report::row(
+        "malformed",
         "damaged header terms (term decoder, in process)",
         runs,
         runs,
@@ -387,7 +388,7 @@ fn the_frame_reader_never_panics_and_always_makes_progress() {
             frames = FrameReader::new(&mut cursor, limits);
         }
     });
-    report::row("damaged byte streams (frame reader, in process)", runs, runs, 0, "no panic; every frame consumed");
+    report::row("malformed", "damaged byte streams (frame reader, in process)", runs, runs, 0, "no panic; every frame consumed");
 }
 
 #[test]
@@ -445,7 +446,7 @@ fn the_reader_turns_every_packet_into_exactly_one_message() {
             assert!(answered.contains(seq), "call {seq} vanished");
         }
     });
-    report::row("damaged frames (reader thread, in process)", runs, runs, 0, "exactly one message per packet; no call lost");
+    report::row("malformed", "damaged frames (reader thread, in process)", runs, runs, 0, "exactly one message per packet; no call lost");
 }
 
 /// Seqs of the harness's own barrier calls, far from any the fuzzer writes.
@@ -497,6 +498,7 @@ fn a_worker_fed_damaged_frames_refuses_them_and_keeps_serving() {
     assert!(w.close(std::time::Duration::from_secs(2)).success(), "the worker did not exit cleanly");
     println!("real worker: {sent} damaged frames, {refusals} error replies, {barriers} barriers (seed {seed})");
     report::row(
+        "malformed",
         "damaged frames sent to a real worker",
         sent,
         sent,

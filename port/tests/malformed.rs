@@ -206,6 +206,14 @@ fn an_oversized_frame_is_refused_before_anything_is_allocated_for_it() {
     assert!(message.contains("frame of more than 1048576 bytes refused"), "{message}");
     let grown = vm_peak(w.pid()) - before;
     assert!(grown < 128 << 20, "the worker mapped {} MiB for a frame it refused", grown >> 20);
+    common::report::row(
+        "malformed",
+        "oversized frame: 1 GiB against a 1 MiB cap",
+        1,
+        1,
+        0,
+        &format!("refused before allocating: the worker's peak virtual size grew {} MiB; still serving", grown >> 20),
+    );
     assert_eq!(error_parts(&w.read(8, 2).unwrap_err()).0, "protocol");
     still_serving(&mut w, 3);
     w.close(Duration::from_secs(2));

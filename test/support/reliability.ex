@@ -90,13 +90,14 @@ defmodule Moat.Reliability do
 
   @doc """
   Appends a row to the reliability log named by `MOAT_RELIABILITY_LOG`, if
-  set: the fault, how many were injected, how many the system survived, how
-  many results were lost or wrong, and a note. `bin/reliability-report`
-  turns the log into docs/reliability.md.
+  set: its group (`:crashes`, `:malformed`, `:load`, `:security`), the fault,
+  how many were injected, how many the system survived, how many results were
+  lost or wrong, and a note. `bin/reliability-report` turns the log into
+  docs/reliability.md.
   """
-  def record(fault, injected, survived, lost, note) do
+  def record(group, fault, injected, survived, lost, note) do
     if path = System.get_env("MOAT_RELIABILITY_LOG") do
-      File.write!(path, "elixir\t#{fault}\t#{injected}\t#{survived}\t#{lost}\t#{note}\n", [:append])
+      File.write!(path, "#{group}\t#{fault}\t#{injected}\t#{survived}\t#{lost}\t#{note}\n", [:append])
     end
 
     :ok

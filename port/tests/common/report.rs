@@ -4,11 +4,12 @@
 
 use std::io::Write;
 
-/// One row: the fault, how many were injected, how many the system survived,
-/// how many results were lost or wrong, and a note.
-pub fn row(fault: &str, injected: u64, survived: u64, lost: u64, note: &str) {
+/// One row of a group (`crashes`, `malformed`, `load`, `security`): the
+/// fault, how many were injected, how many the system survived, how many
+/// results were lost or wrong, and a note.
+pub fn row(group: &str, fault: &str, injected: u64, survived: u64, lost: u64, note: &str) {
     let Ok(path) = std::env::var("MOAT_RELIABILITY_LOG") else { return };
-    let line = format!("rust\t{fault}\t{injected}\t{survived}\t{lost}\t{note}\n");
+    let line = format!("{group}\t{fault}\t{injected}\t{survived}\t{lost}\t{note}\n");
     let mut file = std::fs::OpenOptions::new().create(true).append(true).open(&path).expect("reliability log");
     file.write_all(line.as_bytes()).expect("write reliability log");
 }

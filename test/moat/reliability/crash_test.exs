@@ -6,7 +6,8 @@ defmodule Moat.Reliability.CrashTest do
   # caller gets a correct result or an error naming the cause within a bound,
   # none hangs, no result is wrong, and the worker is back within 500 ms.
   #
-  # MOAT_CRASH_ROUNDS sets the rounds per fault (default 2; bin/soak: 25).
+  # MOAT_CRASH_ROUNDS sets the rounds per fault (default 2); the :soak test
+  # (bin/soak) injects MOAT_SOAK_FAULTS random ones (default 200).
   use ExUnit.Case, async: false
   import Moat.Case
 
@@ -44,8 +45,17 @@ defmodule Moat.Reliability.CrashTest do
 
     for fault <- @faults do
       stats = Enum.map(1..rounds, fn _ -> crash_round(worker, fault, &inject_fault(&1, fault)) end)
-      Reliability.record(describe(fault), rounds, rounds, lost(stats), summary(stats))
+      Reliability.record(:crashes, describe(fault), rounds, rounds, lost(stats), summary(stats))
     end
+  end
+
+  @tag :soak
+  test "soak: faults of random kinds at random moments, many times over", %{worker: worker} do
+    n = Reliability.env_int("MOAT_SOAK_FAULTS", 200)
+    faults = for _ <- 1..n, do: Enum.random(@faults)
+    stats = Enum.map(faults, fn fault -> crash_round(worker, fault, &inject_fault(&1, fault)) end)
+    kinds = faults |> Enum.frequencies() |> Enum.map_join(", ", fn {f, k} -> "#{k} #{Reliability.cause(f)}" end)
+    Reliability.record(:crashes, "soak: random faults under load (#{kinds})", n, n, lost(stats), summary(stats))
   end
 
   test "a real MLX crash (a failed allocation) is contained the same way", %{worker: worker} do
@@ -70,7 +80,7 @@ defmodule Moat.Reliability.CrashTest do
         end)
       end)
 
-    Reliability.record("real MLX crash: failed allocation (SIGSEGV)", rounds, rounds, lost(stats), summary(stats))
+    Reliability.record(:crashes, "real MLX crash: failed allocation (SIGSEGV)", rounds, rounds, lost(stats), summary(stats))
   end
 
   # One fault while @callers processes are busy; returns what the callers saw.

@@ -35,6 +35,7 @@ defmodule Moat.Reliability.LargeDataTest do
     frames = 2 * div(byte_size(data) + chunk - 1, chunk)
 
     Reliability.record(
+      :load,
       "2 GiB + 12 B tensor, to the worker and back",
       1,
       1,

@@ -54,6 +54,7 @@ defmodule Moat.Reliability.LifecycleTest do
     assert error.message =~ "SIGKILL"
 
     Reliability.record(
+      :crashes,
       "crash loop (every incarnation SIGKILLed at start)",
       length(pids),
       length(pids),
@@ -88,7 +89,7 @@ defmodule Moat.Reliability.LifecycleTest do
     eventually(fn -> not os_alive?(pid) and not os_alive?(holder) end, 1_000)
     assert_receive {:up, %{worker: ^worker, generation: g2}}, 2_000
     assert g2 == g + 1
-    Reliability.record("port closed by another process", 1, 1, 0, "worker and input holder exit within 1 s; next generation serves")
+    Reliability.record(:crashes, "port closed by another process", 1, 1, 0, "worker and input holder exit within 1 s; next generation serves")
   end
 
   test "stopping the application stops the worker and its holder" do
@@ -102,7 +103,7 @@ defmodule Moat.Reliability.LifecycleTest do
 
     {:ok, _} = Application.ensure_all_started(:moat)
     assert Moat.to_binary(Moat.from_binary(f32([2.0]), {1}, {:f, 32})) == f32([2.0])
-    Reliability.record("application stopped", 1, 1, 0, "worker and input holder exit within 1 s; restarting the application serves again")
+    Reliability.record(:crashes, "application stopped", 1, 1, 0, "worker and input holder exit within 1 s; restarting the application serves again")
   end
 
   defp children(os_pid) do

@@ -7,7 +7,8 @@ defmodule Moat.Reliability.LoadTest do
   # and an unrelated pair of processes ping-pongs to show that a saturated
   # port blocks no one else.
   #
-  # MOAT_LOAD_PROCS and MOAT_LOAD_OPS change the size (default 200 x 1000).
+  # MOAT_LOAD_PROCS and MOAT_LOAD_OPS change the size (default 200 x 1000;
+  # the :soak test runs 200 x 3000).
   use ExUnit.Case, async: false
   import Moat.Case
 
@@ -17,8 +18,15 @@ defmodule Moat.Reliability.LoadTest do
   @moduletag timeout: 1_800_000
 
   test "many processes, mixed ops and readbacks: every reply reaches its caller exactly once" do
-    procs = Reliability.env_int("MOAT_LOAD_PROCS", 200)
-    ops = Reliability.env_int("MOAT_LOAD_OPS", 1_000)
+    load(Reliability.env_int("MOAT_LOAD_PROCS", 200), Reliability.env_int("MOAT_LOAD_OPS", 1_000))
+  end
+
+  @tag :soak
+  test "soak: three times the ops" do
+    load(200, 3_000)
+  end
+
+  defp load(procs, ops) do
     worker = start_worker(:load, log_level: :error)
     conn = Client.conn(worker)
     os_pid = conn.info.os_pid
@@ -75,8 +83,7 @@ defmodule Moat.Reliability.LoadTest do
         "peak growth: worker RSS #{mib(worker_growth)}, VM #{mib(vm_growth)}; unrelated ping-pong " <>
         "p50 #{p.p50} µs, p99 #{p.p99} µs, max #{p.max} µs over #{length(latencies)} round trips"
 
-    IO.puts("\nload: " <> note)
-    Reliability.record("load: mixed ops and readbacks from many processes", procs * ops, procs * ops, 0, note)
+    Reliability.record(:load, "load: mixed ops and readbacks from many processes", procs * ops, procs * ops, 0, note)
   end
 
   # One process's walk: `ops` steps, each an op or a readback, on a 4-vector

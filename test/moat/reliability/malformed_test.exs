@@ -129,18 +129,26 @@ defmodule Moat.Reliability.MalformedTest do
     assert length(Regex.scan(~r/refused a frame \(protocol\)/, log)) == 5
   end
 
-  test "damaged frames from the worker never take its owner down", %{worker: worker, conn: conn} do
+  test "damaged frames from the worker never take its owner down", ctx do
+    fuzz_the_owner(ctx, Reliability.env_int("MOAT_FUZZ_MS", 1_000))
+  end
+
+  @tag :soak
+  test "soak: a minute of damaged frames from the worker", ctx do
+    fuzz_the_owner(ctx, 60_000)
+  end
+
+  defp fuzz_the_owner(%{worker: worker, conn: conn}, budget) do
     # The worker is ours, but a memory error inside MLX could corrupt what it
     # writes before it dies: its owner must survive any frame.
     owner = conn.owner
-    budget = Reliability.env_int("MOAT_FUZZ_MS", 1_000)
     deadline = System.monotonic_time(:millisecond) + budget
     capture_log(fn -> send(self(), {:rounds, fuzz_owner(owner, conn.port, deadline, 0)}) end)
     assert_received {:rounds, n}
     assert Process.alive?(owner)
     assert Client.conn(worker).owner == owner
     serves(worker)
-    Reliability.record("damaged frames sent to the worker's owner (Elixir decoder)", n, n, 0, "owner never crashed; still serving")
+    Reliability.record(:malformed, "damaged frames sent to the worker's owner (Elixir decoder)", n, n, 0, "owner never crashed; still serving")
   end
 
   defp fuzz_owner(owner, port, deadline, n) do

@@ -23,6 +23,9 @@ defmodule Moat.Reliability do
           {out, status} -> raise "building the fault-injection worker failed (#{status}):\n#{out}"
         end
 
+        # Injected panics are expected; their backtraces would only clutter the
+        # test output (workers inherit the VM's environment).
+        System.put_env("RUST_BACKTRACE", "0")
         path = Path.join(@root, "target/fault/release/moat_port")
         :persistent_term.put({__MODULE__, :fault_worker}, path)
         path

@@ -59,12 +59,12 @@ defmodule Moat.Reliability.LoadTest do
     assert Enum.all?(results, &(&1.stray == 0)), "a caller received a message it did not ask for"
 
     # Exactly one reply per call, none left registered.
+    peak = stop(sampler)
     %{finals: finals, repeated: repeated} = stop(tracer)
     assert repeated == 0, "#{repeated} calls got more than one reply"
     assert finals == calls, "#{calls} calls, #{finals} replies"
     assert :ets.info(conn.table, :size) == 0
 
-    peak = stop(sampler)
     latencies = stop(pinger)
     worker_growth = peak.worker - baseline.worker
     vm_growth = peak.vm - baseline.vm
@@ -187,8 +187,8 @@ defmodule Moat.Reliability.LoadTest do
     after
       50 ->
         rss = Reliability.proc_status_bytes(os_pid, "VmRSS")
-        {:memory, tracer_bytes} = Process.info(tracer, :memory)
-        vm = :erlang.memory(:total) - tracer_bytes
+        tracer_bytes = with {:memory, bytes} <- Process.info(tracer, :memory), do: bytes
+        vm = :erlang.memory(:total) - (tracer_bytes || 0)
         sample(os_pid, tracer, %{worker: max(peak.worker, rss), vm: max(peak.vm, vm)})
     end
   end

@@ -134,6 +134,7 @@ defmodule Moat.Reliability.MalformedTest do
   end
 
   @tag :soak
+  @tag timeout: 300_000
   test "soak: a minute of damaged frames from the worker", ctx do
     fuzz_the_owner(ctx, 60_000)
   end

@@ -79,11 +79,11 @@ defmodule Moat.Reliability.LoadTest do
     assert p.max < 1_000_000, "an unrelated round trip took #{div(p.max, 1000)} ms"
 
     note =
-      "#{procs} processes x #{ops} ops (#{calls} readback calls) in #{elapsed} ms: 0 wrong, 0 lost, 0 duplicated; " <>
+      "#{calls} readback calls; #{elapsed} ms; 0 wrong, 0 lost, 0 duplicated; " <>
         "peak growth: worker RSS #{mib(worker_growth)}, VM #{mib(vm_growth)}; unrelated ping-pong " <>
         "p50 #{p.p50} µs, p99 #{p.p99} µs, max #{p.max} µs over #{length(latencies)} round trips"
 
-    Reliability.record(:load, "load: mixed ops and readbacks from many processes", procs * ops, procs * ops, 0, note)
+    Reliability.record(:load, "load: #{procs} processes x #{ops} mixed ops and readbacks", procs * ops, procs * ops, 0, note)
   end
 
   # One process's walk: `ops` steps, each an op or a readback, on a 4-vector

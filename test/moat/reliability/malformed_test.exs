@@ -149,7 +149,14 @@ defmodule Moat.Reliability.MalformedTest do
     assert Process.alive?(owner)
     assert Client.conn(worker).owner == owner
     serves(worker)
-    Reliability.record(:malformed, "damaged frames sent to the worker's owner (Elixir decoder)", n, n, 0, "owner never crashed; still serving")
+    Reliability.record(
+      :malformed,
+      "damaged frames sent to the worker's owner (Elixir decoder), #{div(budget, 1000)} s",
+      n,
+      n,
+      0,
+      "owner never crashed; still serving"
+    )
   end
 
   defp fuzz_owner(owner, port, deadline, n) do

@@ -188,9 +188,9 @@ defmodule Moat.Worker do
 
   @impl true
   def terminate(reason, %{conn: conn} = state) do
-    if state.down, do: Client.record_down(conn, state.down)
-
-    if state.down == nil do
+    if state.down do
+      Client.record_down(conn, state.down)
+    else
       # A normal stop (application shutdown): closing the port gives the
       # worker end of input, and it exits.
       try do

@@ -67,7 +67,8 @@ impl Session {
             Incoming::Malformed(Malformed { seq, op, outs, message }) => {
                 log::warn!("refused frame (seq {seq}, op {op}): {message}");
                 if seq == 0 && !outs.is_empty() {
-                    // No caller waits on it: report it unprompted so it is not lost.
+                    // No caller waits on it: report it unprompted so it is not
+                    // lost (`fail` does so itself when there are no outs).
                     self.send(Outgoing::Frame(protocol::error(0, &op, &message)));
                 }
                 self.fail(seq, &outs, Failure::new(&op, message));

@@ -228,12 +228,8 @@ defmodule Moat.Backend do
 
   # Sends one graph-building op and returns `out` bound to its result.
   defp op(%T{} = out, name, inputs, attrs) do
-    # Inputs from other backends join the worker of the Moat inputs.
-    worker =
-      Enum.find_value(inputs, Moat.Worker, fn t -> match?(%T{data: %__MODULE__{}}, t) and ref(t).worker end)
-
     [%T{data: %__MODULE__{ref: first, device: device}} | _] =
-      inputs = Enum.map(inputs, &to_moat(&1, worker))
+      inputs = Enum.map(inputs, &to_moat/1)
 
     conn = Client.conn(first.worker)
     ids = Client.ids!(conn, Enum.map(inputs, &ref/1), name)
@@ -242,6 +238,6 @@ defmodule Moat.Backend do
     %{out | data: %__MODULE__{ref: Client.ref(conn, id), device: device}}
   end
 
-  defp to_moat(%T{data: %__MODULE__{}} = t, _worker), do: t
-  defp to_moat(%T{} = t, worker), do: Nx.backend_copy(t, {__MODULE__, worker: worker})
+  defp to_moat(%T{data: %__MODULE__{}} = t), do: t
+  defp to_moat(%T{} = t), do: Nx.backend_copy(t, __MODULE__)
 end

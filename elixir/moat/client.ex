@@ -80,17 +80,12 @@ defmodule Moat.Client do
   def ref(%__MODULE__{name: name, generation: g}, id), do: %Ref{worker: name, generation: g, id: id}
 
   @doc """
-  The ids of handles, after checking they belong to this connection's worker
-  and generation (a stale or foreign handle raises before anything is sent).
+  The ids of handles, after checking they belong to this connection's
+  generation (a stale handle raises before anything is sent).
   """
   @spec ids!(t(), [Ref.t()], atom()) :: [pos_integer()]
-  def ids!(%__MODULE__{name: name, generation: g} = conn, refs, op) do
+  def ids!(%__MODULE__{generation: g} = conn, refs, op) do
     Enum.map(refs, fn
-      %Ref{worker: other} when other != name ->
-        raise ArgumentError,
-              "#{op}: the tensor lives in worker #{inspect(other)}, not #{inspect(name)}; " <>
-                "copy it there first (Nx.backend_copy/2 with the :worker option)"
-
       %Ref{generation: ^g, id: id} ->
         id
 

@@ -1,11 +1,15 @@
 defmodule Moat.Reliability.RegressionsTest do
-  # Bugs the reliability suite found in the client and the backend, one test each.
+  # Bugs the reliability suite found in the client, one test each (the others
+  # are covered where they belong: the owner surviving damaged frames in
+  # malformed_test.exs, the crash cause reaching every caller in crash_test.exs).
   use ExUnit.Case, async: false
-  import Moat.Case
 
   alias Moat.Client
 
   test "ids drawn concurrently by many first callers are unique" do
+    # Ids once came from a counter created lazily by its first caller, under
+    # this key; racing first callers each made one and drew the same ids.
+    :persistent_term.erase({Client, :ids})
     parent = self()
 
     for _ <- 1..50 do
@@ -18,30 +22,9 @@ defmodule Moat.Reliability.RegressionsTest do
         ids
       end
       |> List.flatten()
+
     assert length(ids) == 50 * 201
     assert length(Enum.uniq(ids)) == length(ids)
     assert Enum.all?(ids, &(&1 > 0 and &1 < 18_446_744_073_709_551_616))
-  end
-
-  test "an operand from another backend joins the worker of the Moat operands" do
-    worker = start_worker(:regression_other_worker)
-    a = Nx.tensor([1.0, 2.0], backend: {Moat.Backend, worker: worker})
-    b = Nx.tensor([10.0, 20.0], backend: Nx.BinaryBackend)
-
-    for result <- [Nx.add(a, b), Nx.add(b, a), Nx.divide(b, a)] do
-      assert result.data.ref.worker == worker
-    end
-
-    assert Nx.to_flat_list(Nx.divide(b, a)) == [10.0, 10.0]
-  end
-
-  test "a handle used on another worker raises instead of reaching the wrong worker" do
-    worker = start_worker(:regression_foreign)
-    here = Moat.from_binary(f32([1.0]), {1}, {:f, 32})
-    conn = Client.conn(worker)
-
-    assert_raise ArgumentError, ~r/lives in worker Moat.Worker, not :regression_foreign/, fn ->
-      Client.ids!(conn, [here], :add)
-    end
   end
 end

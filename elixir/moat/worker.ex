@@ -208,8 +208,8 @@ defmodule Moat.Worker do
     })
   end
 
-  # Each clause matches only a well-formed frame; anything else (a worker
-  # whose memory MLX corrupted could write anything) is logged by the last.
+  # A worker whose memory MLX corrupted could write anything: frames the
+  # clauses below cannot handle safely fall through to the last one, which logs.
   defp route({:ack, n}, _payload, state) when is_integer(n) and n >= 0 and n < @u64 do
     Client.record_ack(state.conn, n)
     {ready, waiting} = Enum.split_with(state.waiters, fn {target, _} -> target <= n end)
@@ -217,9 +217,9 @@ defmodule Moat.Worker do
     %{state | waiters: waiting}
   end
 
-  defp route({:ok, seq, result}, payload, state) when is_integer(seq), do: reply(state, seq, {:ok, result, payload})
+  defp route({:ok, seq, result}, payload, state), do: reply(state, seq, {:ok, result, payload})
 
-  defp route({:more, seq}, payload, state) when is_integer(seq) do
+  defp route({:more, seq}, payload, state) do
     case :ets.lookup(state.conn.table, seq) do
       [{^seq, alias}] -> send(alias, {alias, {:more, payload}})
       [] -> :ok
@@ -233,8 +233,7 @@ defmodule Moat.Worker do
     state
   end
 
-  defp route({:error, seq, op, message}, _payload, state) when is_integer(seq) and is_atom(op) and is_binary(message),
-    do: reply(state, seq, {:error, op, message})
+  defp route({:error, seq, op, message}, _payload, state), do: reply(state, seq, {:error, op, message})
 
   defp route(other, _payload, state) do
     Logger.error("Moat worker sent an unexpected frame: #{inspect(other, limit: 20)}")

@@ -90,6 +90,11 @@ impl Session {
             return self.fail(req.seq, &req.outs, failure);
         }
         match req.op.as_str() {
+            #[cfg(feature = "fault-injection")]
+            "fault" => match crate::fault::inject(&req.attrs) {
+                Ok(()) => self.reply(req.seq, Term::atom("nil")),
+                Err(message) => self.fail(req.seq, &req.outs, Failure::new("fault", message)),
+            },
             "from_binary" => self.from_binary(&req, upload),
             "to_binary" => self.to_binary(&req),
             "eval" => self.eval(&req),
@@ -99,11 +104,6 @@ impl Session {
             "release" => req.ins.iter().for_each(|id| {
                 self.registry.release(*id);
             }),
-            #[cfg(feature = "fault-injection")]
-            "fault" => match crate::fault::inject(&req.attrs) {
-                Ok(()) => self.reply(req.seq, Term::atom("nil")),
-                Err(message) => self.fail(req.seq, &req.outs, Failure::new("fault", message)),
-            },
             _ => self.build(&req),
         }
     }

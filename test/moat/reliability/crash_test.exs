@@ -80,7 +80,7 @@ defmodule Moat.Reliability.CrashTest do
         end)
       end)
 
-    Reliability.record(:crashes, "real MLX crash: failed allocation (SIGSEGV)", rounds, rounds, lost(stats), summary(stats))
+    Reliability.record(:crashes, "real MLX crash class: a failed 80 GB allocation", rounds, rounds, lost(stats), summary(stats))
   end
 
   # One fault while @callers processes are busy; returns what the callers saw.

@@ -80,28 +80,13 @@ defmodule Moat.Client do
 
   @doc "Fresh tensor ids, unique across all workers and restarts."
   @spec new_ids(pos_integer()) :: [pos_integer()]
-  def new_ids(n) do
-    last = :atomics.add_get(ids(), 1, n)
-    Enum.to_list((last - n + 1)..last//1)
-  end
+  def new_ids(n), do: for(_ <- 1..n//1, do: new_id())
 
   @doc "One fresh tensor id."
   @spec new_id() :: pos_integer()
-  def new_id, do: :atomics.add_get(ids(), 1, 1)
-
-  defp ids do
-    case :persistent_term.get({__MODULE__, :ids}, nil) do
-      nil ->
-        # Racing creators are harmless: only one put wins and nobody has
-        # drawn from the loser.
-        ref = :atomics.new(1, signed: false)
-        :persistent_term.put({__MODULE__, :ids}, ref)
-        :persistent_term.get({__MODULE__, :ids})
-
-      ref ->
-        ref
-    end
-  end
+  # A VM-wide counter that needs no setup, so concurrent first callers can
+  # never draw the same id.
+  def new_id, do: :erlang.unique_integer([:positive, :monotonic])
 
   @doc """
   A handle for `id` in this connection's generation. Call it once the frame
@@ -285,7 +270,7 @@ defmodule Moat.Client do
         {:error, failure(failed_op, message)}
 
       {:DOWN, ^mref, :process, _, reason} ->
-        {:error, Error.new(:worker_died, op, died(reason))}
+        {:error, Error.new(:worker_died, op, died(reason, conn))}
     after
       timeout ->
         forget(conn, seq, mref)
@@ -308,9 +293,37 @@ defmodule Moat.Client do
   end
 
   @doc false
-  def died({:shutdown, {:worker_died, how}}), do: "the Moat worker died (#{how})"
-  def died(:noproc), do: "the Moat worker is not running (it is restarting or stopped)"
-  def died(reason), do: "the Moat worker's owner process exited: #{inspect(reason)}"
+  def died({:shutdown, {:worker_died, how}}, _conn), do: "the Moat worker died (#{how})"
+
+  def died(:noproc, conn) do
+    # The owner is already gone; it recorded how its worker died.
+    case :persistent_term.get({__MODULE__, conn.name, :down}, nil) do
+      {generation, how} when generation == conn.generation -> "the Moat worker died (#{how})"
+      _ -> "the Moat worker is not running (it is restarting or stopped)"
+    end
+  end
+
+  def died(reason, _conn), do: "the Moat worker's owner process exited: #{inspect(reason)}"
+
+  @doc false
+  # Called by the owner as it exits after its worker died, for callers that
+  # only find out later (see `died/2`).
+  def record_down(%__MODULE__{name: name, generation: generation}, how),
+    do: :persistent_term.put({__MODULE__, name, :down}, {generation, how})
+
+  # The port is gone, so the owner is exiting (or has exited) and its exit
+  # reason says how the worker died.
+  defp cause(conn) do
+    mref = Process.monitor(conn.owner)
+
+    receive do
+      {:DOWN, ^mref, :process, _, reason} -> died(reason, conn)
+    after
+      5_000 ->
+        Process.demonitor(mref, [:flush])
+        "the Moat worker's port is closed"
+    end
+  end
 
   defp admit(%__MODULE__{counters: c, window: window} = conn) do
     sent = :atomics.add_get(c, @sent, 1)
@@ -319,7 +332,7 @@ defmodule Moat.Client do
       try do
         GenServer.call(conn.owner, {:await_ack, sent - window}, :infinity)
       catch
-        :exit, reason -> raise Error.new(:worker_died, nil, died(exit_reason(reason)))
+        :exit, reason -> raise Error.new(:worker_died, nil, died(exit_reason(reason), conn))
       end
     end
 
@@ -334,7 +347,9 @@ defmodule Moat.Client do
     Process.delete(@pinned)
     :ok
   rescue
-    ArgumentError ->
-      raise Error.new(:worker_unavailable, op, died(:noproc))
+    e in ArgumentError ->
+      # Only a closed port is the worker's doing.
+      if Port.info(conn.port), do: reraise(e, __STACKTRACE__)
+      raise Error.new(:worker_unavailable, op, cause(conn))
   end
 end

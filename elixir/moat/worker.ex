@@ -12,6 +12,13 @@ defmodule Moat.Worker do
   Handles from the old generation then raise a `:stale_generation`
   `Moat.Error`.
 
+  Both events carry `:worker`, `:generation` and `:os_pid`; `:down` adds
+  `:reason`, how the worker ended (`"killed by signal 11 (SIGSEGV)"`, or the
+  exit reason of a normal stop). Callers that reach a dead worker get a
+  `Moat.Error` naming the same cause. The application's supervisor restarts a
+  worker at most `config :moat, max_restarts: 20` times in `max_seconds: 5`;
+  a crash loop beyond that stops it rather than spinning.
+
   ## Options
 
     * `:name` - registered name, also the key of the connection (default `Moat.Worker`)
@@ -35,8 +42,11 @@ defmodule Moat.Worker do
 
   use GenServer
   require Logger
+  import Bitwise, only: [<<<: 2]
 
   alias Moat.{Client, Finalizer, Protocol, Releaser}
+
+  @u64 1 <<< 64
 
   @doc false
   def child_spec(opts) do
@@ -213,7 +223,9 @@ defmodule Moat.Worker do
 
   @impl true
   def terminate(reason, %{conn: conn} = state) do
-    if state.down == nil do
+    if state.down do
+      Client.record_down(conn, state.down)
+    else
       # A normal stop (application shutdown): closing the port gives the
       # worker end of input, and it exits.
       try do
@@ -226,11 +238,14 @@ defmodule Moat.Worker do
     :telemetry.execute([:moat, :worker, :down], %{system_time: System.system_time()}, %{
       worker: conn.name,
       generation: conn.generation,
+      os_pid: conn.info.os_pid,
       reason: state.down || reason
     })
   end
 
-  defp route({:ack, n}, _payload, state) do
+  # A worker whose memory MLX corrupted could write anything: frames the
+  # clauses below cannot handle safely fall through to the last one, which logs.
+  defp route({:ack, n}, _payload, state) when is_integer(n) and n >= 0 and n < @u64 do
     Client.record_ack(state.conn, n)
     {ready, waiting} = Enum.split_with(state.waiters, fn {target, _} -> target <= n end)
     Enum.each(ready, fn {_, from} -> GenServer.reply(from, :ok) end)
@@ -259,7 +274,7 @@ defmodule Moat.Worker do
     state
   end
 
-  defp route({:error, 0, op, message}, _payload, state) do
+  defp route({:error, 0, op, message}, _payload, state) when is_atom(op) and is_binary(message) do
     Logger.error("Moat worker refused a frame (#{op}): #{message}")
     state
   end
@@ -291,6 +306,7 @@ defmodule Moat.Worker do
 
   @doc false
   def describe_exit(status) when status > 128, do: "killed by signal #{status - 128}#{signal_name(status - 128)}"
+  def describe_exit(101), do: "exited with status 101 (a panic; the worker's log has its message)"
   def describe_exit(status), do: "exited with status #{status}"
 
   defp signal_name(n) do

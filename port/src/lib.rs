@@ -8,6 +8,8 @@
 pub mod budget;
 pub mod checks;
 pub mod connection;
+#[cfg(feature = "fault-injection")]
+pub mod fault;
 pub mod frame;
 pub mod mlx;
 pub mod ops;

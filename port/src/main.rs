@@ -54,6 +54,8 @@ fn main() {
         std::process::exit(2);
     });
     env_logger::Builder::new().filter_level(opts.log_level).target(env_logger::Target::Stderr).init();
+    exit_on_panic();
+    sys::hold_input_open(3);
     sys::die_with_parent();
     sys::default_sigchld();
 
@@ -98,6 +100,18 @@ fn main() {
         log::error!("cannot select the CPU device: {e}");
     }
     Session::new(opts.generation, out_tx).with_checks(opts.checks).run(in_rx);
+}
+
+/// A panic on any thread ends the worker at once with status 101. Unwinding
+/// instead would let another thread exit first with status 0 (hiding the
+/// cause), or leave a worker without its reader or writer, on which callers
+/// would wait forever. A dead worker is noticed and restarted.
+fn exit_on_panic() {
+    let report = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        report(info);
+        sys::exit_now(101);
+    }));
 }
 
 fn hello(opts: &Options) -> Term {

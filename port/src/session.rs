@@ -89,8 +89,9 @@ impl Session {
             Incoming::Request { req, upload } => self.request(req, upload),
             Incoming::Malformed(Malformed { seq, op, outs, message }) => {
                 log::warn!("refused frame (seq {seq}, op {op}): {message}");
-                if seq == 0 {
-                    // No caller waits on it: report it unprompted so it is not lost.
+                if seq == 0 && !outs.is_empty() {
+                    // No caller waits on it: report it unprompted so it is not
+                    // lost (`fail` does so itself when there are no outs).
                     self.send(Outgoing::Frame(protocol::error(0, &op, &message)));
                 }
                 self.fail(seq, &outs, Failure::new(&op, message));
@@ -112,6 +113,11 @@ impl Session {
             return self.fail(req.seq, &req.outs, failure);
         }
         match req.op.as_str() {
+            #[cfg(feature = "fault-injection")]
+            "fault" => match crate::fault::inject(&req.attrs) {
+                Ok(()) => self.reply(req.seq, Term::atom("nil")),
+                Err(message) => self.fail(req.seq, &req.outs, Failure::new("fault", message)),
+            },
             "from_binary" => self.from_binary(&req, upload),
             "to_binary" => self.to_binary(&req),
             "eval" => self.eval(&req),
@@ -128,12 +134,14 @@ impl Session {
         }
     }
 
-    /// Poisons `outs` and, for a call, replies with the failure.
+    /// Poisons `outs` and, for a call, replies with the failure. A failure
+    /// that neither a caller nor an id can carry is reported unprompted
+    /// (seq 0), so that it is not lost.
     fn fail(&mut self, seq: u64, outs: &[Id], failure: Rc<Failure>) {
         for id in outs {
             self.registry.poison(*id, failure.clone());
         }
-        if seq != 0 {
+        if seq != 0 || outs.is_empty() {
             self.send(Outgoing::Frame(protocol::error(seq, &failure.op, &failure.message)));
         }
     }

@@ -37,6 +37,48 @@ pub fn die_with_parent() {
     }
 }
 
+/// Keeps the read end of the request pipe `fd` open in a small child process
+/// until the VM closes its end. Without it, the worker's death closes the
+/// pipe, and a VM still writing requests gets EPIPE, which closes the port
+/// before the worker's exit status arrives: callers would learn that the
+/// worker died but not how (a signal, a panic, the OOM killer). With it, the
+/// VM's writes wait in the pipe, the exit status arrives, and the VM closes
+/// the port; the holder sees that (or the VM's death) and exits. It runs
+/// nothing but `poll`. Call it before any thread starts.
+pub fn hold_input_open(fd: RawFd) {
+    // SAFETY: fork has no memory-safety preconditions; the child runs only
+    // async-signal-safe calls (see `holder`) and never returns.
+    match unsafe { libc::fork() } {
+        0 => holder(fd),
+        -1 => log::warn!("cannot fork the input holder ({}): exit causes may be lost", io::Error::last_os_error()),
+        _ => {}
+    }
+}
+
+fn holder(fd: RawFd) -> ! {
+    // SAFETY: each call below is async-signal-safe, takes plain values or a
+    // pointer to a local that outlives it, and touches no Rust state.
+    unsafe {
+        libc::prctl(libc::PR_SET_NAME, c"moat_port-hold".as_ptr());
+        // Everything but the request pipe: above all not the reply pipe, whose
+        // end of file tells the VM that the worker is gone.
+        let max = libc::c_uint::MAX;
+        if fd > 0 {
+            libc::syscall(libc::SYS_close_range, 0 as libc::c_uint, (fd - 1) as libc::c_uint, 0 as libc::c_uint);
+        }
+        if libc::syscall(libc::SYS_close_range, (fd + 1) as libc::c_uint, max, 0 as libc::c_uint) != 0 {
+            for other in (0..1024).filter(|other| *other != fd) {
+                libc::close(other);
+            }
+        }
+        // No events asked for: poll returns only on hang-up or error, that
+        // is once no writer is left.
+        let mut pfd = libc::pollfd { fd, events: 0, revents: 0 };
+        while libc::poll(&mut pfd, 1, -1) < 1 {}
+        libc::_exit(0)
+    }
+}
+
 /// The BEAM ignores SIGCHLD and ports inherit that; MLX's CPU compiler waits
 /// for the g++ it spawns, which needs the default disposition.
 pub fn default_sigchld() {
@@ -53,4 +95,51 @@ pub fn exit_now(code: i32) -> ! {
 
 pub fn os_pid() -> u32 {
     std::process::id()
+}
+
+/// The ways MLX takes a process down, reproduced on purpose. Only test builds
+/// (feature `fault-injection`) have them.
+#[cfg(feature = "fault-injection")]
+pub mod crash {
+    /// SIGSEGV from a real invalid write, like MLX writing through the null
+    /// pointer of a failed allocation.
+    pub fn segfault() -> ! {
+        // SAFETY: deliberately not sound: a dangling pointer is address 8,
+        // which is never mapped (below vm.mmap_min_addr), so the write faults
+        // and the process dies.
+        unsafe { std::ptr::write_volatile(std::ptr::dangling_mut::<u64>(), 0) };
+        std::process::abort()
+    }
+
+    /// SIGFPE from a real division trap: `i32::MIN / -1` in `idiv`, which is
+    /// what MLX's CPU kernels do on `INT_MIN // -1`.
+    #[cfg(target_arch = "x86_64")]
+    pub fn divide_overflow() -> ! {
+        // SAFETY: deliberately traps (#DE); touches only the named registers.
+        unsafe {
+            std::arch::asm!(
+                "cdq",
+                "idiv {d:e}",
+                d = in(reg) -1i32,
+                inout("eax") i32::MIN => _,
+                out("edx") _,
+            )
+        };
+        std::process::abort()
+    }
+
+    /// SIGFPE (other architectures do not trap on integer division).
+    #[cfg(not(target_arch = "x86_64"))]
+    pub fn divide_overflow() -> ! {
+        // SAFETY: raise takes a signal number and no pointers.
+        unsafe { libc::raise(libc::SIGFPE) };
+        std::process::abort()
+    }
+
+    /// SIGKILL, as the OOM killer sends it.
+    pub fn kill() -> ! {
+        // SAFETY: kill takes a pid and a signal number, no pointers.
+        unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+        std::process::abort()
+    }
 }

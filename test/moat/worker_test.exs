@@ -203,8 +203,10 @@ defmodule Moat.WorkerTest do
       {vm, worker} = read_pids(port, "")
       # Let the worker get deep into MLX, where it no longer reads its input.
       eventually(fn -> busy?(worker) end, 10_000)
+      holders = Path.wildcard("/proc/#{worker}/task/*/children") |> Enum.flat_map(&String.split(File.read!(&1)))
       kill(vm)
-      eventually(fn -> not os_alive?(worker) end, 1_000)
+      eventually(fn -> not os_alive?(worker) and not Enum.any?(holders, &os_alive?/1) end, 1_000)
+      Moat.Reliability.record(:crashes, "VM SIGKILLed while the worker is busy in MLX", 1, 1, 0, "worker and its input holder gone within 1 s")
     end
   end
 

@@ -3,6 +3,8 @@
 
 #![allow(dead_code)]
 
+pub mod report;
+
 use command_fds::{CommandFdExt, FdMapping};
 use moat_port::frame::{split_body, write_frame};
 use moat_port::term::Term;
@@ -25,10 +27,15 @@ pub fn pipe() -> (OwnedFd, OwnedFd) {
 
 impl Worker {
     pub fn start(extra: &[&str]) -> Worker {
+        Worker::start_with(extra, Stdio::inherit())
+    }
+
+    /// `start`, with the worker's stderr (its log) going to `stderr`.
+    pub fn start_with(extra: &[&str], stderr: Stdio) -> Worker {
         let (req_r, req_w) = pipe();
         let (rep_r, rep_w) = pipe();
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_moat_port"));
-        cmd.args(["--generation", "3"]).args(extra).stdin(Stdio::null());
+        cmd.args(["--generation", "3"]).args(extra).stdin(Stdio::null()).stderr(stderr);
         cmd.fd_mappings(vec![
             FdMapping { parent_fd: req_r, child_fd: 3 },
             FdMapping { parent_fd: rep_w, child_fd: 4 },
@@ -51,16 +58,37 @@ impl Worker {
 
     /// The next frame that is not an ack or a memory pressure report.
     pub fn recv(&mut self) -> (Term, Vec<u8>) {
+        self.try_recv().expect("the worker closed its output")
+    }
+
+    /// The next frame that is not an ack, or `None` once the worker's output
+    /// is closed (it exited).
+    pub fn try_recv(&mut self) -> Option<(Term, Vec<u8>)> {
         loop {
             let mut len = [0u8; 4];
-            self.from.read_exact(&mut len).expect("read packet length");
+            if let Err(e) = self.from.read_exact(&mut len) {
+                assert_eq!(e.kind(), std::io::ErrorKind::UnexpectedEof, "read packet length: {e}");
+                return None;
+            }
             let mut body = vec![0u8; u32::from_be_bytes(len) as usize];
             self.from.read_exact(&mut body).expect("read packet");
             let (header, payload) = split_body(&body).expect("worker frame");
             if matches!(header.as_tuple(), Some([a, _]) if a.is_atom("ack") || a.is_atom("memory_pressure")) {
                 continue;
             }
-            return (header, payload.to_vec());
+            return Some((header, payload.to_vec()));
+        }
+    }
+
+    /// Waits for the worker to exit on its own.
+    pub fn wait_exit(&mut self, within: Duration) -> std::process::ExitStatus {
+        let deadline = Instant::now() + within;
+        loop {
+            if let Some(status) = self.child.try_wait().expect("wait") {
+                return status;
+            }
+            assert!(Instant::now() < deadline, "worker still running after {within:?}");
+            std::thread::sleep(Duration::from_millis(5));
         }
     }
 

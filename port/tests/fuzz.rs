@@ -1,0 +1,525 @@
+//! Fuzzers for every decoder on the worker's input path, run for a bounded
+//! time (`MOAT_FUZZ_SECS`, default 2 s each; `bin/soak` runs them longer).
+//! Stable Rust has no cargo-fuzz, so these are seeded mutation fuzzers: they
+//! start from valid frames and damage them at the byte level (flips,
+//! interesting values, cuts, splices, lying lengths) and at the term level
+//! (any subterm replaced by a random term). A failure prints the seed
+//! (`MOAT_FUZZ_SEED` replays it) and the input.
+//!
+//! * the term decoder never panics, and what it accepts re-encodes stably;
+//! * the frame reader never panics and always makes progress;
+//! * the reader thread turns every packet into exactly one message;
+//! * a real worker fed damaged frames answers protocol errors and keeps
+//!   serving, without crashing.
+
+mod common;
+
+use common::report;
+use common::*;
+use crossbeam_channel::unbounded;
+use moat_port::connection::{read_loop, Incoming};
+use moat_port::frame::{split_body, write_frame, FrameReader, Limits};
+use moat_port::protocol::{map, Request};
+use moat_port::term::{decode, encode, Term};
+use std::io::Cursor;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::process::Stdio;
+use std::time::Instant;
+
+/// Counts the bytes this thread allocates, so a test can bound what decoding
+/// one input costs.
+struct Counting;
+
+thread_local! {
+    static ALLOCATED: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+// SAFETY: defers every call to the system allocator unchanged; the counter
+// is a const-initialised thread local, which never allocates.
+unsafe impl std::alloc::GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: std::alloc::Layout) -> *mut u8 {
+        ALLOCATED.with(|a| a.set(a.get() + layout.size()));
+        std::alloc::System.alloc(layout)
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: std::alloc::Layout) {
+        std::alloc::System.dealloc(ptr, layout)
+    }
+}
+
+#[global_allocator]
+static COUNTING: Counting = Counting;
+
+/// What `f` allocated on this thread, in bytes.
+fn allocated_by<T>(f: impl FnOnce() -> T) -> (T, usize) {
+    let before = ALLOCATED.with(|a| a.get());
+    let out = f();
+    (out, ALLOCATED.with(|a| a.get()) - before)
+}
+
+/// splitmix64: small, seedable, good enough to pick mutations.
+struct Rng(u64);
+
+impl Rng {
+    fn seeded() -> (Rng, u64) {
+        let seed = std::env::var("MOAT_FUZZ_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64
+        });
+        (Rng(seed), seed)
+    }
+
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n.max(1) as u64) as usize
+    }
+
+    fn chance(&mut self, one_in: usize) -> bool {
+        self.below(one_in) == 0
+    }
+
+    fn pick<'a, T>(&mut self, items: &'a [T]) -> &'a T {
+        &items[self.below(items.len())]
+    }
+}
+
+fn f32s(n: usize) -> Vec<u8> {
+    (0..n).flat_map(|i| (i as f32).to_le_bytes()).collect()
+}
+
+fn ty(kind: &str, bits: u32) -> Term {
+    Term::tuple(vec![Term::atom(kind), Term::int(bits)])
+}
+
+/// Valid request frames covering every request shape the worker knows. No
+/// frame here evaluates a graph (no `to_binary`, `eval` or `async_eval`):
+/// damaged attrs can describe enormous lazy arrays, and evaluating those is a
+/// memory limit's job, not the decoders'.
+fn corpus() -> Vec<(Term, Vec<u8>)> {
+    let g = 3;
+    let f32_ty = || map(vec![("type", ty("f", 32))]);
+    let mut c = vec![
+        (request(0, g, "from_binary", &[1], &[], tensor_attrs(&[2, 2], "f", 32, 16)), f32s(4)),
+        (request(0, g, "from_binary", &[2], &[], tensor_attrs(&[2, 2], "f", 32, 16)), f32s(4)),
+        (request(0, g, "from_binary", &[3], &[], tensor_attrs(&[3], "s", 32, 12)), vec![1; 12]),
+        (request(0, g, "from_binary", &[4], &[], tensor_attrs(&[2], "f", 64, 16)), vec![0; 16]),
+        (request(0, g, "from_binary", &[5], &[], tensor_attrs(&[4], "pred", 8, 4)), vec![1, 0, 1, 0]),
+        (request(0, g, "from_binary", &[6], &[], tensor_attrs(&[8], "u", 8, 8)), vec![7; 8]),
+        // An upload in two chunks.
+        (request(0, g, "from_binary", &[7], &[], tensor_attrs(&[4], "f", 32, 16)), f32s(2)),
+        (request(0, g, "upload", &[7], &[], Term::int(8)), f32s(2)),
+        (request(0, g, "astype", &[20], &[1], f32_ty()), vec![]),
+        (request(0, g, "reshape", &[21], &[1], map(vec![("shape", ids(&[4]))])), vec![]),
+        (request(0, g, "reshape", &[22], &[1], map(vec![("shape", Term::List(vec![Term::int(-1), Term::int(1)]))])), vec![]),
+        (request(0, g, "broadcast_to", &[23], &[3], map(vec![("shape", ids(&[2, 3]))])), vec![]),
+        (
+            request(
+                0,
+                g,
+                "sum",
+                &[24],
+                &[1],
+                map(vec![("axes", ids(&[0])), ("keep_axes", Term::atom("true")), ("type", ty("f", 32))]),
+            ),
+            vec![],
+        ),
+        (request(0, g, "matmul", &[25], &[1, 2], f32_ty()), vec![]),
+        (request(9, g, "metadata", &[], &[25], nil()), vec![]),
+        (request(10, g, "sync", &[], &[], nil()), vec![]),
+        (request(0, g, "release", &[], &[20, 21], nil()), vec![]),
+    ];
+    for (i, op) in ["add", "subtract", "multiply", "divide"].iter().enumerate() {
+        c.push((request(0, g, op, &[30 + i as u64], &[1, 2], f32_ty()), vec![]));
+    }
+    c
+}
+
+fn body(header: &Term, payload: &[u8]) -> Vec<u8> {
+    let mut packet = Vec::new();
+    write_frame(&mut packet, header, payload).unwrap();
+    packet.split_off(4)
+}
+
+const ATOMS: &[&str] = &[
+    "nil", "true", "false", "add", "subtract", "multiply", "divide", "matmul", "sum", "astype", "reshape",
+    "broadcast_to", "from_binary", "upload", "release", "sync", "metadata", "f", "s", "u", "bf", "c", "pred", "type",
+    "shape", "axes", "keep_axes", "dtype", "bytes", "", "\u{fc}ber",
+];
+
+fn interesting_int(rng: &mut Rng) -> i128 {
+    let picks: &[i128] = &[
+        0,
+        1,
+        -1,
+        2,
+        3,
+        4,
+        8,
+        16,
+        32,
+        64,
+        255,
+        256,
+        -256,
+        65535,
+        i32::MAX as i128,
+        i32::MIN as i128,
+        1 << 31,
+        1 << 32,
+        i64::MAX as i128,
+        i64::MIN as i128,
+        u64::MAX as i128,
+        1 << 64,
+        i128::MAX,
+        -i128::MAX,
+    ];
+    if rng.chance(3) {
+        (rng.next() >> rng.below(64)) as i128 * if rng.chance(2) { -1 } else { 1 }
+    } else {
+        *rng.pick(picks)
+    }
+}
+
+fn random_term(rng: &mut Rng, depth: usize) -> Term {
+    let leaf = depth >= 3 || rng.chance(2);
+    match (leaf, rng.below(7)) {
+        (true, 0 | 1) => Term::Int(interesting_int(rng)),
+        (true, 2) => Term::Float(f64::from_bits(rng.next())),
+        (true, 3 | 4) => Term::atom(ATOMS[rng.below(ATOMS.len())]),
+        (true, _) => Term::Binary((0..rng.below(12)).map(|_| rng.next() as u8).collect()),
+        (false, 0 | 1) => Term::Tuple((0..rng.below(7)).map(|_| random_term(rng, depth + 1)).collect()),
+        (false, 2 | 3) => Term::List((0..rng.below(5)).map(|_| random_term(rng, depth + 1)).collect()),
+        (false, 4) => Term::Map((0..rng.below(4)).map(|_| (random_term(rng, depth + 1), random_term(rng, depth + 1))).collect()),
+        (false, 5) => Term::atom(ATOMS[rng.below(ATOMS.len())]),
+        (false, _) => Term::Int(interesting_int(rng)),
+    }
+}
+
+/// Replaces one random subterm (possibly the whole term) with a random term.
+fn mutate_term(t: &Term, rng: &mut Rng) -> Term {
+    let children = match t {
+        Term::Tuple(v) | Term::List(v) => v.len(),
+        Term::Map(p) => 2 * p.len(),
+        _ => 0,
+    };
+    if children == 0 || rng.chance(4) {
+        return random_term(rng, 1);
+    }
+    let i = rng.below(children);
+    match t {
+        Term::Tuple(v) | Term::List(v) => {
+            let mut v = v.clone();
+            v[i] = mutate_term(&v[i], rng);
+            if matches!(t, Term::Tuple(_)) {
+                Term::Tuple(v)
+            } else {
+                Term::List(v)
+            }
+        }
+        Term::Map(p) => {
+            let mut p = p.clone();
+            let (k, v) = &mut p[i / 2];
+            if i.is_multiple_of(2) {
+                *k = mutate_term(k, rng);
+            } else {
+                *v = mutate_term(v, rng);
+            }
+            Term::Map(p)
+        }
+        _ => unreachable!(),
+    }
+}
+
+/// Byte-level damage: flips, interesting bytes, cuts, insertions, splices and
+/// lying length fields.
+fn mutate_bytes(bytes: &mut Vec<u8>, other: &[u8], rng: &mut Rng) {
+    for _ in 0..1 + rng.below(4) {
+        let len = bytes.len();
+        match rng.below(8) {
+            0 if len > 0 => {
+                let i = rng.below(len);
+                bytes[i] ^= 1 << rng.below(8);
+            }
+            1 if len > 0 => {
+                let i = rng.below(len);
+                bytes[i] = *rng.pick(&[0, 1, 0x7f, 0x80, 0xff, 131, 97, 98, 104, 106, 107, 108, 109, 110, 116, 119]);
+            }
+            2 => bytes.truncate(rng.below(len + 1)),
+            3 => {
+                let i = rng.below(len + 1);
+                let junk: Vec<u8> = (0..1 + rng.below(8)).map(|_| rng.next() as u8).collect();
+                bytes.splice(i..i, junk);
+            }
+            4 if len > 4 => {
+                // A 32-bit length field somewhere (header length, list, binary, map sizes).
+                let i = rng.below(len - 3);
+                let v = *rng.pick(&[0u32, 1, 0x7fff_ffff, 0xffff_ffff, 0x0100_0000, len as u32, len as u32 + 1]);
+                bytes[i..i + 4].copy_from_slice(&v.to_be_bytes());
+            }
+            5 if !other.is_empty() => {
+                let i = rng.below(len + 1);
+                let j = rng.below(other.len());
+                bytes.truncate(i);
+                bytes.extend_from_slice(&other[j..]);
+            }
+            6 if len > 1 => {
+                let i = rng.below(len);
+                let j = i + rng.below(len - i);
+                let dup = bytes[i..j].to_vec();
+                bytes.splice(j..j, dup);
+            }
+            _ => {
+                let i = rng.below(len + 1);
+                bytes.truncate(i);
+            }
+        }
+    }
+}
+
+/// One damaged frame body (what follows the packet length).
+fn damaged_body(corpus: &[(Term, Vec<u8>)], rng: &mut Rng) -> Vec<u8> {
+    let (header, payload) = rng.pick(corpus);
+    if rng.chance(2) {
+        let header = mutate_term(header, rng);
+        let payload = if rng.chance(4) { payload[..rng.below(payload.len() + 1)].to_vec() } else { payload.clone() };
+        body(&header, &payload)
+    } else {
+        let mut b = body(header, payload);
+        let (h2, p2) = rng.pick(corpus);
+        mutate_bytes(&mut b, &body(h2, p2), rng);
+        b
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Runs `check` on inputs from `gen` until the budget is spent; a panic
+/// reports the seed and the input. Returns how many inputs ran.
+fn fuzz(name: &str, gen: impl Fn(&mut Rng) -> Vec<u8>, check: impl Fn(&[u8])) -> u64 {
+    let (mut rng, seed) = Rng::seeded();
+    let budget = report::fuzz_budget(2.0);
+    let start = Instant::now();
+    let mut runs = 0u64;
+    while start.elapsed() < budget {
+        let input = gen(&mut rng);
+        if catch_unwind(AssertUnwindSafe(|| check(&input))).is_err() {
+            panic!("{name}: failed on input {} (MOAT_FUZZ_SEED={seed}, run {runs})", hex(&input));
+        }
+        runs += 1;
+    }
+    println!("{name}: {runs} inputs in {:?} (seed {seed})", start.elapsed());
+    runs
+}
+
+#[test]
+fn the_term_decoder_never_panics_and_what_it_accepts_reencodes_stably() {
+    let corpus = corpus();
+    let gen = |rng: &mut Rng| {
+        if rng.chance(8) {
+            (0..rng.below(64)).map(|_| rng.next() as u8).collect()
+        } else {
+            let mut header = encode(&rng.pick(&corpus).0);
+            let other = encode(&rng.pick(&corpus).0);
+            mutate_bytes(&mut header, &other, rng);
+            header
+        }
+    };
+    let runs = fuzz("term decoder", gen, |input| {
+        // A hostile header costs at most a constant times its own size.
+        let (decoded, cost) = allocated_by(|| decode(input));
+        assert!(cost <= 64 * input.len() + 1024, "decoding {} bytes allocated {cost}", input.len());
+        if let Ok(term) = decoded {
+            let once = encode(&term);
+            let again = decode(&once).expect("the decoder refused what the encoder wrote");
+            assert_eq!(encode(&again), once, "re-encoding is not stable for {term}");
+            let _ = Request::parse(term);
+        }
+    });
+    report::row(
+        "malformed",
+        "damaged header terms (term decoder, in process)",
+        runs,
+        runs,
+        0,
+        "no panic; cost bounded by the input's size; accepted terms re-encode identically",
+    );
+}
+
+#[test]
+fn the_frame_reader_never_panics_and_always_makes_progress() {
+    let corpus = corpus();
+    let gen = |rng: &mut Rng| {
+        // Several packets whose lengths may lie, then maybe junk.
+        let mut stream = Vec::new();
+        for _ in 0..1 + rng.below(4) {
+            let b = damaged_body(&corpus, rng);
+            let len = if rng.chance(4) { rng.next() as u32 % (b.len() as u32 + 16) } else { b.len() as u32 };
+            stream.extend_from_slice(&len.to_be_bytes());
+            stream.extend_from_slice(&b);
+        }
+        if rng.chance(4) {
+            stream.extend((0..rng.below(16)).map(|_| rng.next() as u8));
+        }
+        stream
+    };
+    let limits = Limits { max_header_bytes: 256, max_frame_bytes: 512, chunk_bytes: 128 };
+    let runs = fuzz("frame reader", gen, |input| {
+        let mut cursor = Cursor::new(input);
+        loop {
+            let before = cursor.position();
+            let mut frames = FrameReader::new(&mut cursor, limits);
+            let Ok(Some(head)) = frames.next_head() else { break };
+            if let Ok(header) = head.header {
+                let _ = Request::parse(header);
+            }
+            if frames.skip_payload().is_err() {
+                break;
+            }
+            assert!(cursor.position() > before, "no progress at offset {before}");
+        }
+    });
+    report::row("malformed", "damaged byte streams (frame reader, in process)", runs, runs, 0, "no panic; every frame consumed");
+}
+
+#[test]
+fn the_reader_turns_every_packet_into_exactly_one_message() {
+    let corpus = corpus();
+    let gen = |rng: &mut Rng| {
+        // Well-framed packets (the BEAM writes the packet length) with damaged bodies.
+        let mut stream = Vec::new();
+        for _ in 0..1 + rng.below(8) {
+            let b = if rng.chance(4) {
+                let (h, p) = rng.pick(&corpus);
+                body(h, p)
+            } else {
+                damaged_body(&corpus, rng)
+            };
+            stream.extend_from_slice(&(b.len() as u32).to_be_bytes());
+            stream.extend_from_slice(&b);
+        }
+        stream
+    };
+    let limits = Limits { max_header_bytes: 4096, max_frame_bytes: 256, chunk_bytes: 64 };
+    let runs = fuzz("reader thread", gen, |input| {
+        let mut packets = 0;
+        let mut calls = Vec::new();
+        let mut rest = input;
+        while rest.len() >= 4 {
+            let n = u32::from_be_bytes(rest[..4].try_into().unwrap()) as usize;
+            if let Ok((header, _)) = split_body(&rest[4..4 + n]) {
+                // Upload chunks are fire-and-forget by protocol; a chunk of a
+                // parked upload is consumed without a message of its own.
+                match Request::parse(header) {
+                    Ok(req) if req.op != "from_binary" && req.op != "upload" => calls.push(req.seq),
+                    _ => {}
+                }
+            }
+            packets += 1;
+            rest = &rest[4 + n..];
+        }
+        let (tx, rx) = unbounded();
+        read_loop(Cursor::new(input), limits, tx).expect("a well-framed stream never breaks the reader");
+        let messages: Vec<Incoming> = rx.try_iter().collect();
+        assert_eq!(messages.len(), packets, "one message per packet");
+        // Every call that could be read is answered: it reaches the session
+        // as a request, or as a refusal carrying its seq.
+        let answered: Vec<u64> = messages
+            .iter()
+            .filter_map(|m| match m {
+                Incoming::Request { req, .. } => Some(req.seq),
+                Incoming::Malformed(m) => Some(m.seq),
+                Incoming::Consumed => None,
+            })
+            .filter(|seq| *seq != 0)
+            .collect();
+        for seq in calls.iter().filter(|s| **s != 0) {
+            assert!(answered.contains(seq), "call {seq} vanished");
+        }
+    });
+    report::row("malformed", "damaged frames (reader thread, in process)", runs, runs, 0, "exactly one message per packet; no call lost");
+}
+
+/// Seqs of the harness's own barrier calls, far from any the fuzzer writes.
+const BARRIER: u64 = 1 << 62;
+
+#[test]
+fn a_worker_fed_damaged_frames_refuses_them_and_keeps_serving() {
+    let corpus = corpus();
+    let (mut rng, seed) = Rng::seeded();
+    let budget = report::fuzz_budget(2.0);
+    let mut w = Worker::start_with(&["--max-frame-bytes", "4096", "--chunk-bytes", "1024", "--log-level", "error"], Stdio::null());
+    let start = Instant::now();
+    let (mut sent, mut refusals, mut barriers) = (0u64, 0u64, 0u64);
+    let mut recent: Vec<Vec<u8>> = Vec::new();
+    while start.elapsed() < budget {
+        recent.clear();
+        for _ in 0..32 {
+            let b = damaged_body(&corpus, &mut rng);
+            let mut packet = (b.len() as u32).to_be_bytes().to_vec();
+            packet.extend_from_slice(&b);
+            w.send_raw(&packet);
+            recent.push(b);
+            sent += 1;
+        }
+        // A barrier: the worker must still answer, in order.
+        let seq = BARRIER + barriers;
+        w.request(seq, "sync", &[], &[], nil());
+        loop {
+            let Some((reply, _)) = w.try_recv() else {
+                let last: Vec<String> = recent.iter().map(|b| hex(b)).collect();
+                panic!("the worker died (MOAT_FUZZ_SEED={seed}); last frames:\n{}", last.join("\n"));
+            };
+            let items = reply.as_tuple().expect("replies are tuples");
+            match (items[0].as_atom(), items[1].as_int()) {
+                (Some("ok"), Some(s)) if s == seq as i128 => break,
+                (Some("error"), _) => refusals += 1,
+                (Some("ok"), _) => {}
+                other => panic!("unexpected reply {reply} ({other:?})"),
+            }
+        }
+        barriers += 1;
+    }
+    // Still computing correctly with fresh ids.
+    let base = BARRIER;
+    w.upload_f32(base, &[2], &[1.5, 2.5]);
+    w.upload_f32(base + 1, &[2], &[1.0, 1.0]);
+    w.request(0, "add", &[base + 2], &[base, base + 1], typed("f", 32));
+    assert_eq!(w.read_f32(BARRIER - 1, base + 2), vec![2.5, 3.5]);
+    assert!(w.close(std::time::Duration::from_secs(2)).success(), "the worker did not exit cleanly");
+    println!("real worker: {sent} damaged frames, {refusals} error replies, {barriers} barriers (seed {seed})");
+    report::row(
+        "malformed",
+        "damaged frames sent to a real worker",
+        sent,
+        sent,
+        0,
+        &format!("{refusals} error replies; all {barriers} barrier calls answered in order; exit status 0"),
+    );
+}
+
+#[test]
+fn lying_lengths_cost_nothing() {
+    // Counts of 2^32 - 1 elements, bytes, pairs and big-integer digits, each
+    // followed by almost nothing.
+    for input in [
+        &[131, 108, 255, 255, 255, 255, 97, 1][..],
+        &[131, 116, 255, 255, 255, 255, 97, 1, 97, 2],
+        &[131, 109, 255, 255, 255, 255, 1],
+        &[131, 105, 255, 255, 255, 255, 106],
+        &[131, 107, 255, 255, 1, 2],
+        &[131, 110, 255, 0, 1],
+        &[131, 118, 255, 255, 97],
+    ] {
+        let (result, cost) = allocated_by(|| decode(input));
+        assert!(result.is_err(), "{input:?} decoded");
+        assert!(cost < 256, "{input:?} cost {cost} bytes");
+    }
+}

@@ -3,13 +3,6 @@
 
 using namespace moat;
 
-static std::vector<mx::array> to_arrays(const moat_array* const* arrays, size_t n) {
-  std::vector<mx::array> v;
-  v.reserve(n);
-  for (size_t i = 0; i < n; ++i) v.push_back(arr(arrays[i]));
-  return v;
-}
-
 extern "C" {
 
 int moat_astype(const moat_array* a, int dtype, moat_array** out) {

@@ -461,8 +461,6 @@ defmodule Moat.BackendBPropertiesTest do
 
   defp with_minus_one(t, _type), do: t
 
-  defp nonzero(t), do: Nx.select(Nx.equal(t, 0), Nx.tensor(1, type: t.type, backend: Nx.BinaryBackend), t)
-
   defp triangular(n, type, lower) do
     m = tensor({n, n}, type, @inexact)
     diag = Nx.multiply(Nx.eye(n, type: type, backend: Nx.BinaryBackend), 3)

@@ -85,10 +85,7 @@ defmodule Moat.WorkerTest do
     end
 
     test "telemetry spans to_binary and eval" do
-      parent = self()
-      events = [[:moat, :to_binary, :stop], [:moat, :eval, :stop]]
-      :telemetry.attach_many("worker-test", events, &Moat.Case.forward_event/4, parent)
-      on_exit(fn -> :telemetry.detach("worker-test") end)
+      forward_events([[:moat, :to_binary, :stop], [:moat, :eval, :stop]])
 
       ref = Moat.from_binary(f32([1.0, 2.0]), {2}, {:f, 32})
       Moat.to_binary(ref)
@@ -168,10 +165,7 @@ defmodule Moat.WorkerTest do
     end
 
     test "worker up and down telemetry carry the generation and the cause" do
-      parent = self()
-      events = [[:moat, :worker, :up], [:moat, :worker, :down]]
-      :telemetry.attach_many("crash-telemetry", events, &Moat.Case.forward_event/4, parent)
-      on_exit(fn -> :telemetry.detach("crash-telemetry") end)
+      forward_events([[:moat, :worker, :up], [:moat, :worker, :down]])
 
       worker = start_worker(:telemetry_victim)
       assert_receive {:telemetry, [:moat, :worker, :up], _, %{worker: ^worker, generation: g}}

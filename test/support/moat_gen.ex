@@ -144,6 +144,9 @@ defmodule Moat.Gen do
     Nx.tensor(values, type: type, backend: Nx.BinaryBackend) |> Nx.reshape(shape)
   end
 
+  @doc "`t` with its zeros replaced by ones (divisors: Nx.BinaryBackend raises on zero)."
+  def nonzero(t), do: Nx.select(Nx.equal(t, 0), Nx.tensor(1, type: t.type, backend: Nx.BinaryBackend), t)
+
   @doc "The same tensors (in lists too) on Moat.Backend; anything else as it is."
   def moat(%Nx.Tensor{} = t), do: Nx.backend_copy(t, Moat.Backend)
   def moat(list) when is_list(list), do: Enum.map(list, &moat/1)

@@ -82,8 +82,4 @@ int moat_tril(const moat_array* a, int k, moat_array** out) {
   return produce(out, [&] { return mx::tril(arr(a), k); });
 }
 
-int moat_triu(const moat_array* a, int k, moat_array** out) {
-  return produce(out, [&] { return mx::triu(arr(a), k); });
-}
-
 }  // extern "C"

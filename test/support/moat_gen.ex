@@ -133,8 +133,8 @@ defmodule Moat.Gen do
     end
   end
 
-  def bounds({:u, bits}), do: {0, Integer.pow(2, bits) - 1}
-  def bounds({:s, bits}), do: {-Integer.pow(2, bits - 1), Integer.pow(2, bits - 1) - 1}
+  defp bounds({:u, bits}), do: {0, Integer.pow(2, bits) - 1}
+  defp bounds({:s, bits}), do: {-Integer.pow(2, bits - 1), Integer.pow(2, bits - 1) - 1}
 
   @doc "Integer indices in `0..(dim - 1)` of `shape`, of a random integer type."
   def indices(shape, dim) do
@@ -242,8 +242,8 @@ defmodule Moat.Gen do
   defp close?(e, a, _, _) when is_integer(e) and is_integer(a), do: false
   defp close?(e, a, rtol, atol), do: abs(e - a) <= atol + rtol * abs(e)
 
-  @doc "Describes inputs for a failure message."
-  def describe(inputs) do
+  # Inputs, for a failure message.
+  defp describe(inputs) do
     inputs
     |> Enum.map(fn
       %Nx.Tensor{} = t -> "#{inspect(t.type)} #{inspect(t.shape)}: #{inspect(Nx.to_flat_list(t), limit: 40)}"

@@ -76,7 +76,7 @@ fn half_precision_cummax_keeps_nan() {
 fn half_precision_cumsum_accumulates_in_f32() {
     let mut w = Worker::start(&[]);
     // 3000 ones in f16: a running f16 sum would stop at 2048.
-    let bytes: Vec<u8> = std::iter::repeat(0x3c00u16.to_le_bytes()).take(3000).flatten().collect();
+    let bytes: Vec<u8> = std::iter::repeat_n(0x3c00u16.to_le_bytes(), 3000).flatten().collect();
     w.upload(1, &[3000], "f", 16, &bytes);
     let attrs = map(vec![("axis", Term::int(0)), ("reverse", Term::atom("false")), ("type", ty("f", 16))]);
     w.request(0, "cumulative_sum", &[2], &[1], attrs);

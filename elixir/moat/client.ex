@@ -177,23 +177,30 @@ defmodule Moat.Client do
 
   @doc """
   The ids of handles, after checking they belong to this connection's
-  generation (a stale handle raises before anything is sent).
+  worker (else `ArgumentError`) and generation (else `Moat.Error`, reason
+  `:stale_generation`), before anything is sent.
 
   The handles stay reachable until this process's next frame is written, so
   a garbage collection while `cast/6` waits for the window cannot release
   them before the frame that reads them.
   """
   @spec ids!(t(), [Ref.t()], atom()) :: [pos_integer()]
-  def ids!(%__MODULE__{generation: g} = conn, refs, op) do
+  def ids!(%__MODULE__{name: name, generation: g} = conn, refs, op) do
     Process.put(@pinned, refs)
 
     Enum.map(refs, fn
-      %Ref{generation: ^g, id: id, token: token} ->
+      %Ref{worker: ^name, generation: ^g, id: id, token: token} ->
         if token != nil and released?(token) do
           raise Error.new(:deallocated, op, "tensor #{id} was deallocated (Nx.backend_deallocate/1 or Moat.scope/1)")
         end
 
         id
+
+      %Ref{worker: other, id: id} when other != name ->
+        raise ArgumentError,
+              "#{op}: tensor #{id} belongs to worker #{inspect(other)}, but this call runs on " <>
+                "#{inspect(name)}; every tensor of a call must be on its worker (copy it over " <>
+                "with Nx.backend_copy/2, or Moat.to_binary/1 and Moat.from_binary/4)"
 
       %Ref{generation: old} ->
         raise Error.new(

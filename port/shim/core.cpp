@@ -92,21 +92,11 @@ int moat_array_row_contiguous(const moat_array* a) {
 const void* moat_array_data(const moat_array* a) { return arr(a).data<void>(); }
 
 int moat_eval(moat_array* const* arrays, size_t n) {
-  return guard([&] {
-    std::vector<mx::array> v;
-    v.reserve(n);
-    for (size_t i = 0; i < n; ++i) v.push_back(arr(arrays[i]));
-    mx::eval(std::move(v));
-  });
+  return guard([&] { mx::eval(to_arrays(arrays, n)); });
 }
 
 int moat_async_eval(moat_array* const* arrays, size_t n) {
-  return guard([&] {
-    std::vector<mx::array> v;
-    v.reserve(n);
-    for (size_t i = 0; i < n; ++i) v.push_back(arr(arrays[i]));
-    mx::async_eval(std::move(v));
-  });
+  return guard([&] { mx::async_eval(to_arrays(arrays, n)); });
 }
 
 }  // extern "C"

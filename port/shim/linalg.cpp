@@ -57,8 +57,4 @@ int moat_solve_triangular(const moat_array* a, const moat_array* b, int upper,
   return produce(out, [&] { return mx::linalg::solve_triangular(arr(a), arr(b), upper != 0, kCpu); });
 }
 
-int moat_inv(const moat_array* a, moat_array** out) {
-  return produce(out, [&] { return mx::linalg::inv(arr(a), kCpu); });
-}
-
 }  // extern "C"

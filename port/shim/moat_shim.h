@@ -107,7 +107,6 @@ int moat_pad(const moat_array* a, const int32_t* low, const int32_t* high, size_
 int moat_as_strided(const moat_array* a, const int32_t* shape, const int64_t* strides,
                     size_t ndim, size_t offset, moat_array** out);
 int moat_tril(const moat_array* a, int k, moat_array** out);
-int moat_triu(const moat_array* a, int k, moat_array** out);
 
 // -- element-wise (elementwise.cpp)
 int moat_add(const moat_array* a, const moat_array* b, moat_array** out);
@@ -220,7 +219,6 @@ int moat_cholesky(const moat_array* a, int upper, moat_array** out);
 int moat_solve(const moat_array* a, const moat_array* b, moat_array** out);
 int moat_solve_triangular(const moat_array* a, const moat_array* b, int upper,
                           moat_array** out);
-int moat_inv(const moat_array* a, moat_array** out);
 
 // -- windows and convolution (window.cpp)
 // input [N, spatial..., C], weight [O, spatial..., C / groups]; n spatial dims.

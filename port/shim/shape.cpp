@@ -3,13 +3,6 @@
 
 using namespace moat;
 
-static std::vector<mx::array> to_arrays(const moat_array* const* arrays, size_t n) {
-  std::vector<mx::array> v;
-  v.reserve(n);
-  for (size_t i = 0; i < n; ++i) v.push_back(arr(arrays[i]));
-  return v;
-}
-
 extern "C" {
 
 int moat_astype(const moat_array* a, int dtype, moat_array** out) {
@@ -87,10 +80,6 @@ int moat_as_strided(const moat_array* a, const int32_t* shape, const int64_t* st
 
 int moat_tril(const moat_array* a, int k, moat_array** out) {
   return produce(out, [&] { return mx::tril(arr(a), k); });
-}
-
-int moat_triu(const moat_array* a, int k, moat_array** out) {
-  return produce(out, [&] { return mx::triu(arr(a), k); });
 }
 
 }  // extern "C"

@@ -33,6 +33,13 @@ inline std::vector<int> to_axes(const int32_t* axes, size_t n) {
   return std::vector<int>(axes, axes + n);
 }
 
+inline std::vector<mx::array> to_arrays(const moat_array* const* arrays, size_t n) {
+  std::vector<mx::array> v;
+  v.reserve(n);
+  for (size_t i = 0; i < n; ++i) v.push_back(arr(arrays[i]));
+  return v;
+}
+
 // Runs f, turning any exception into an error code and message.
 template <typename F>
 int guard(F&& f) {

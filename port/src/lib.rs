@@ -15,6 +15,8 @@ pub mod mlx;
 pub mod ops;
 pub mod protocol;
 pub mod registry;
+// Its request handlers are named after the protocol's ops (`from_binary`, `to_binary`).
+#[allow(clippy::wrong_self_convention)]
 pub mod session;
 pub mod sys;
 pub mod term;

@@ -441,7 +441,7 @@ mod tests {
     fn trailing_bytes_and_deep_nesting_are_refused() {
         assert!(decode(&[131, 97, 1, 0]).is_err());
         let mut deep = vec![131];
-        deep.extend(std::iter::repeat([104u8, 1]).take(100).flatten());
+        deep.extend(std::iter::repeat_n([104u8, 1], 100).flatten());
         deep.extend([97, 1]);
         assert!(decode(&deep).is_err());
     }

@@ -93,10 +93,6 @@ fn f32s(n: usize) -> Vec<u8> {
     (0..n).flat_map(|i| (i as f32).to_le_bytes()).collect()
 }
 
-fn ty(kind: &str, bits: u32) -> Term {
-    Term::tuple(vec![Term::atom(kind), Term::int(bits)])
-}
-
 /// Valid request frames covering every request shape the worker knows. No
 /// frame here evaluates a graph (no `to_binary`, `eval` or `async_eval`):
 /// damaged attrs can describe enormous lazy arrays, and evaluating those is a

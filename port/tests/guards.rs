@@ -10,22 +10,11 @@ use moat_port::term::Term;
 use std::time::Duration;
 
 fn upload_s32(w: &mut Worker, id: u64, shape: &[i32], values: &[i32]) {
-    let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
-    let header = request(0, w.generation, "from_binary", &[id], &[], tensor_attrs(shape, "s", 32, bytes.len()));
-    w.send(header, &bytes);
+    w.upload(id, shape, "s", 32, &i32_bytes(values));
 }
 
 fn read_s32(w: &mut Worker, seq: u64, id: u64) -> Vec<i32> {
-    let (_, bytes) = w.read(seq, id).unwrap_or_else(|e| panic!("to_binary failed: {e}"));
-    bytes.chunks(4).map(|c| i32::from_le_bytes(c.try_into().unwrap())).collect()
-}
-
-fn ints(v: &[i64]) -> Term {
-    Term::List(v.iter().map(|i| Term::int(*i)).collect())
-}
-
-fn s32() -> Term {
-    Term::tuple(vec![Term::atom("s"), Term::int(32)])
+    i32_values(&w.read_bytes(seq, id))
 }
 
 /// The worker answers the next call: it is alive and its tensors are intact.
@@ -53,7 +42,7 @@ fn out_of_range_indices_fail_the_op_and_the_worker_keeps_serving() {
     assert_eq!((op.as_str(), message.contains("index 4 is out of bounds for axis 1")), ("gather", true), "{message}");
     upload_s32(&mut w, 22, &[1, 2], &[7, 0]);
     w.upload_f32(23, &[1], &[5.0]);
-    let scatter = map(vec![("axes", ints(&[0, 1])), ("type", Term::tuple(vec![Term::atom("f"), Term::int(32)]))]);
+    let scatter = map(vec![("axes", ints(&[0, 1])), ("type", ty("f", 32))]);
     w.request(0, "indexed_put", &[24], &[2, 22, 23], scatter);
     let (op, message) = error_parts(&w.read(6, 24).unwrap_err());
     assert_eq!(
@@ -74,7 +63,7 @@ fn indexed_put_keeps_the_last_update_of_each_index() {
     upload_s32(&mut w, 2, &[n, 1], &indices);
     let updates: Vec<f32> = (0..n).map(|i| i as f32).collect();
     w.upload_f32(3, &[n], &updates);
-    let attrs = map(vec![("axes", ints(&[0])), ("type", Term::tuple(vec![Term::atom("f"), Term::int(32)]))]);
+    let attrs = map(vec![("axes", ints(&[0])), ("type", ty("f", 32))]);
     w.request(0, "indexed_put", &[4], &[1, 2, 3], attrs);
     assert_eq!(w.read_f32(1, 4), vec![62.0, 63.0, 0.0, 0.0]);
     w.close(Duration::from_secs(1));
@@ -85,12 +74,12 @@ fn min_divided_by_minus_one_wraps_as_nx_does() {
     let mut w = Worker::start(&[]);
     upload_s32(&mut w, 1, &[3], &[i32::MIN, i32::MIN, -7]);
     upload_s32(&mut w, 2, &[3], &[-1, 2, 2]);
-    w.request(0, "quotient", &[3], &[1, 2], map(vec![("type", s32())]));
-    w.request(0, "remainder", &[4], &[1, 2], map(vec![("type", s32())]));
+    w.request(0, "quotient", &[3], &[1, 2], typed("s", 32));
+    w.request(0, "remainder", &[4], &[1, 2], typed("s", 32));
     assert_eq!(read_s32(&mut w, 1, 3), vec![i32::MIN, i32::MIN / 2, -3]);
     assert_eq!(read_s32(&mut w, 2, 4), vec![0, 0, -1]);
     upload_s32(&mut w, 5, &[3], &[1, 0, 1]);
-    w.request(0, "quotient", &[6], &[1, 5], map(vec![("type", s32())]));
+    w.request(0, "quotient", &[6], &[1, 5], typed("s", 32));
     let (op, message) = error_parts(&w.read(3, 6).unwrap_err());
     assert_eq!((op.as_str(), message.as_str()), ("quotient", "division by zero"));
     w.close(Duration::from_secs(1));
@@ -113,7 +102,7 @@ fn outputs_whose_element_count_overflows_fail_the_op() {
 
 #[test]
 fn detect_non_finite_fails_the_op_that_produced_nan() {
-    let attrs = || map(vec![("type", Term::tuple(vec![Term::atom("f"), Term::int(32)]))]);
+    let attrs = || typed("f", 32);
     for (flag, fails) in [("true", true), ("false", false)] {
         let mut w = Worker::start(&["--detect-non-finite", flag]);
         w.upload_f32(1, &[2], &[0.0, 1.0]);

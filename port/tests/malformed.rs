@@ -81,7 +81,7 @@ fn request_with_ins(seq: u64, ins: Vec<Term>) -> Term {
 #[test]
 fn bad_dtypes_and_shapes_in_uploads() {
     let mut w = start(&[]);
-    for (id, dtype) in [(1, Term::tuple(vec![Term::atom("f"), Term::int(8)])), (2, Term::atom("float32")), (3, nil())] {
+    for (id, dtype) in [(1, ty("f", 8)), (2, Term::atom("float32")), (3, nil())] {
         let attrs = map(vec![("bytes", Term::int(4)), ("dtype", dtype), ("shape", ids(&[1]))]);
         w.send(request(0, 3, "from_binary", &[id], &[], attrs), &[0; 4]);
         let (op, message) = unprompted(&mut w);
@@ -91,7 +91,7 @@ fn bad_dtypes_and_shapes_in_uploads() {
     }
     let attrs = map(vec![
         ("bytes", Term::int(4)),
-        ("dtype", Term::tuple(vec![Term::atom("f"), Term::int(32)])),
+        ("dtype", ty("f", 32)),
         ("shape", Term::List(vec![Term::int(-1)])),
     ]);
     w.send(request(0, 3, "from_binary", &[4], &[], attrs), &[0; 4]);

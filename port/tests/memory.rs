@@ -119,7 +119,7 @@ fn views_count_nothing() {
     let sum_attrs = moat_port::protocol::map(vec![
         ("axes", ids(&[0])),
         ("keep_axes", Term::atom("false")),
-        ("type", Term::tuple(vec![Term::atom("f"), Term::int(32)])),
+        ("type", ty("f", 32)),
     ]);
     w.request(0, "sum", &[3], &[2], sum_attrs);
     assert_eq!(w.read_f32(2, 3), vec![2.0 * (8 << 20) as f32]);

@@ -7,31 +7,6 @@ use common::*;
 use moat_port::protocol::map;
 use moat_port::term::Term;
 
-fn ty(kind: &str, bits: u32) -> Term {
-    Term::tuple(vec![Term::atom(kind), Term::int(bits)])
-}
-
-fn ints(v: &[i64]) -> Term {
-    Term::List(v.iter().map(|i| Term::int(*i)).collect())
-}
-
-fn upload(w: &mut Worker, id: u64, shape: &[i32], kind: &str, bits: u32, bytes: Vec<u8>) {
-    let header = request(0, w.generation, "from_binary", &[id], &[], tensor_attrs(shape, kind, bits, bytes.len()));
-    w.send(header, &bytes);
-}
-
-fn read_bytes(w: &mut Worker, seq: u64, id: u64) -> Vec<u8> {
-    w.read(seq, id).unwrap_or_else(|e| panic!("to_binary failed: {e}")).1
-}
-
-fn f32_bytes(v: &[f32]) -> Vec<u8> {
-    v.iter().flat_map(|x| x.to_le_bytes()).collect()
-}
-
-fn i32_values(bytes: &[u8]) -> Vec<i32> {
-    bytes.chunks(4).map(|c| i32::from_le_bytes(c.try_into().unwrap())).collect()
-}
-
 #[test]
 fn as_type_maps_non_finite_floats_like_nx() {
     let mut w = Worker::start(&[]);
@@ -40,10 +15,10 @@ fn as_type_maps_non_finite_floats_like_nx() {
     w.request(0, "astype", &[2], &[1], map(vec![("type", ty("s", 32))]));
     w.request(0, "astype", &[3], &[1], map(vec![("type", ty("u", 8))]));
     w.request(0, "astype", &[4], &[1], map(vec![("type", ty("u", 64))]));
-    assert_eq!(i32_values(&read_bytes(&mut w, 1, 2)), [0, i32::MAX, i32::MIN, 2, -2, 300, -1]);
+    assert_eq!(i32_values(&w.read_bytes(1, 2)), [0, i32::MAX, i32::MIN, 2, -2, 300, -1]);
     // Finite values wrap like Nx (300 -> 44, -1 -> 255); infinities saturate.
-    assert_eq!(read_bytes(&mut w, 2, 3), [0, 255, 0, 2, 254, 44, 255]);
-    let u64s: Vec<u64> = read_bytes(&mut w, 3, 4).chunks(8).map(|c| u64::from_le_bytes(c.try_into().unwrap())).collect();
+    assert_eq!(w.read_bytes(2, 3), [0, 255, 0, 2, 254, 44, 255]);
+    let u64s: Vec<u64> = w.read_bytes(3, 4).chunks(8).map(|c| u64::from_le_bytes(c.try_into().unwrap())).collect();
     assert_eq!(u64s, [0, u64::MAX, 0, 2, u64::MAX - 1, 300, u64::MAX]);
 }
 
@@ -89,10 +64,10 @@ fn half_precision_cummax_keeps_nan() {
     let mut w = Worker::start(&[]);
     // f16: 1.0, NaN, 3.0
     let bytes: Vec<u8> = [0x3c00u16, 0x7e00, 0x4200].iter().flat_map(|h| h.to_le_bytes()).collect();
-    upload(&mut w, 1, &[3], "f", 16, bytes);
+    w.upload(1, &[3], "f", 16, &bytes);
     let attrs = map(vec![("axis", Term::int(0)), ("reverse", Term::atom("false")), ("type", ty("f", 16))]);
     w.request(0, "cumulative_max", &[2], &[1], attrs);
-    let out: Vec<u16> = read_bytes(&mut w, 1, 2).chunks(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect();
+    let out: Vec<u16> = w.read_bytes(1, 2).chunks(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect();
     assert_eq!(out[0], 0x3c00);
     assert!(out[1..].iter().all(|h| h & 0x7c00 == 0x7c00 && h & 0x03ff != 0), "NaN expected, got {out:x?}");
 }
@@ -101,11 +76,11 @@ fn half_precision_cummax_keeps_nan() {
 fn half_precision_cumsum_accumulates_in_f32() {
     let mut w = Worker::start(&[]);
     // 3000 ones in f16: a running f16 sum would stop at 2048.
-    let bytes: Vec<u8> = std::iter::repeat(0x3c00u16.to_le_bytes()).take(3000).flatten().collect();
-    upload(&mut w, 1, &[3000], "f", 16, bytes);
+    let bytes: Vec<u8> = std::iter::repeat_n(0x3c00u16.to_le_bytes(), 3000).flatten().collect();
+    w.upload(1, &[3000], "f", 16, &bytes);
     let attrs = map(vec![("axis", Term::int(0)), ("reverse", Term::atom("false")), ("type", ty("f", 16))]);
     w.request(0, "cumulative_sum", &[2], &[1], attrs);
-    let out = read_bytes(&mut w, 1, 2);
+    let out = w.read_bytes(1, 2);
     // 3000 is exact in f16 (spacing 2 above 2048).
     assert_eq!(u16::from_le_bytes([out[2 * 2999], out[2 * 2999 + 1]]), 0x69dc);
 }
@@ -115,12 +90,12 @@ fn shifts_past_the_width_shift_everything_out() {
     let mut w = Worker::start(&[]);
     let x: Vec<u8> = [1i32, -8, -8, 5].iter().flat_map(|v| v.to_le_bytes()).collect();
     let by: Vec<u8> = [33i32, 40, 1, -1].iter().flat_map(|v| v.to_le_bytes()).collect();
-    upload(&mut w, 1, &[4], "s", 32, x);
-    upload(&mut w, 2, &[4], "s", 32, by);
+    w.upload(1, &[4], "s", 32, &x);
+    w.upload(2, &[4], "s", 32, &by);
     w.request(0, "left_shift", &[3], &[1, 2], typed("s", 32));
     w.request(0, "right_shift", &[4], &[1, 2], typed("s", 32));
-    assert_eq!(i32_values(&read_bytes(&mut w, 1, 3)), [0, 0, -16, 0]);
-    assert_eq!(i32_values(&read_bytes(&mut w, 2, 4)), [0, -1, -4, 0]);
+    assert_eq!(i32_values(&w.read_bytes(1, 3)), [0, 0, -16, 0]);
+    assert_eq!(i32_values(&w.read_bytes(2, 4)), [0, -1, -4, 0]);
 }
 
 #[test]
@@ -139,9 +114,9 @@ fn argmax_prefers_the_last_nan_and_honours_tie_break() {
     w.request(0, "argmax", &[3], &[1], arg("low"));
     w.request(0, "argmax", &[4], &[2], arg("low"));
     w.request(0, "argmax", &[5], &[2], arg("high"));
-    assert_eq!(i32_values(&read_bytes(&mut w, 1, 3)), [4]);
-    assert_eq!(i32_values(&read_bytes(&mut w, 2, 4)), [1]);
-    assert_eq!(i32_values(&read_bytes(&mut w, 3, 5)), [3]);
+    assert_eq!(i32_values(&w.read_bytes(1, 3)), [4]);
+    assert_eq!(i32_values(&w.read_bytes(2, 4)), [1]);
+    assert_eq!(i32_values(&w.read_bytes(3, 5)), [3]);
 }
 
 #[test]

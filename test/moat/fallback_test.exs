@@ -2,6 +2,7 @@ defmodule Moat.FallbackTest do
   # Ops without an MLX implementation run on Nx.BinaryBackend, visibly.
   use ExUnit.Case, async: false
   import ExUnit.CaptureLog
+  import Moat.Case, only: [forward_events: 1]
 
   setup do
     Nx.default_backend(Moat.Backend)
@@ -13,9 +14,7 @@ defmodule Moat.FallbackTest do
   defp sum_by_reduce(t), do: Nx.reduce(t, 0, fn x, acc -> Nx.add(x, acc) end)
 
   test "a fallback computes the right result, on Moat, and emits telemetry with op, shapes and types" do
-    events = [[:moat, :fallback, :start], [:moat, :fallback, :stop]]
-    :telemetry.attach_many("fallback-test", events, &Moat.Case.forward_event/4, self())
-    on_exit(fn -> :telemetry.detach("fallback-test") end)
+    forward_events([[:moat, :fallback, :start], [:moat, :fallback, :stop]])
 
     result = sum_by_reduce(Nx.tensor([[1, 2], [3, 4]]))
     assert %Moat.Backend{} = result.data

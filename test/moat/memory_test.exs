@@ -246,8 +246,7 @@ defmodule Moat.MemoryTest do
 
   describe "memory statistics and limits" do
     test "memory_info reports the worker's memory and emits telemetry", %{worker: w} do
-      :telemetry.attach("memory-stats", [:moat, :memory, :stats], &Moat.Case.forward_event/4, self())
-      on_exit(fn -> :telemetry.detach("memory-stats") end)
+      forward_events([[:moat, :memory, :stats]])
 
       before = Moat.memory_info(w)
       t = Moat.from_binary(:binary.copy(f32([1.0]), @mib), {@mib}, {:f, 32}, worker: w)

@@ -45,6 +45,25 @@ defmodule Moat.WorkerTest do
       end
     end
 
+    test "handles of two workers in one call raise, naming both workers, before anything is sent" do
+      w1 = start_worker(:mixed_one)
+      w2 = start_worker(:mixed_two)
+      a = filled(w1, 1.0, 2)
+      b = filled(w2, 2.0, 2)
+      message = ~r/^eval: tensor #{b.id} belongs to worker :mixed_two, but this call runs on :mixed_one; /
+
+      # The worker would answer an id it does not hold with a Moat.Error: an
+      # ArgumentError comes from the client.
+      assert_raise ArgumentError, message, fn -> Moat.eval([a, b]) end
+      assert_raise ArgumentError, ~r/^async_eval: tensor #{a.id} belongs to worker :mixed_one/, fn ->
+        Moat.async_eval([b, a])
+      end
+
+      assert_raise ArgumentError, ~r/^matmul: .* :mixed_two, but this call runs on :mixed_one/, fn -> matmul(a, b) end
+      assert Moat.to_binary(a) == f32([1.0, 1.0, 1.0, 1.0])
+      assert Moat.to_binary(b) == f32([2.0, 2.0, 2.0, 2.0])
+    end
+
     test "a failed op surfaces at the next blocking call, naming the op that failed first" do
       a = Moat.from_binary(f32(List.duplicate(1.0, 6)), {2, 3}, {:f, 32})
       b = Moat.from_binary(f32(List.duplicate(1.0, 4)), {2, 2}, {:f, 32})
@@ -66,10 +85,7 @@ defmodule Moat.WorkerTest do
     end
 
     test "telemetry spans to_binary and eval" do
-      parent = self()
-      events = [[:moat, :to_binary, :stop], [:moat, :eval, :stop]]
-      :telemetry.attach_many("worker-test", events, &Moat.Case.forward_event/4, parent)
-      on_exit(fn -> :telemetry.detach("worker-test") end)
+      forward_events([[:moat, :to_binary, :stop], [:moat, :eval, :stop]])
 
       ref = Moat.from_binary(f32([1.0, 2.0]), {2}, {:f, 32})
       Moat.to_binary(ref)
@@ -149,10 +165,7 @@ defmodule Moat.WorkerTest do
     end
 
     test "worker up and down telemetry carry the generation and the cause" do
-      parent = self()
-      events = [[:moat, :worker, :up], [:moat, :worker, :down]]
-      :telemetry.attach_many("crash-telemetry", events, &Moat.Case.forward_event/4, parent)
-      on_exit(fn -> :telemetry.detach("crash-telemetry") end)
+      forward_events([[:moat, :worker, :up], [:moat, :worker, :down]])
 
       worker = start_worker(:telemetry_victim)
       assert_receive {:telemetry, [:moat, :worker, :up], _, %{worker: ^worker, generation: g}}

@@ -55,7 +55,17 @@ defmodule Moat.Case do
     end)
   end
 
-  @doc "A telemetry handler that sends each event to the pid in its config."
+  @doc """
+  Sends this process `{:telemetry, event, measurements, metadata}` for each
+  of `events` (lists of event names) until the test ends.
+  """
+  def forward_events(events) do
+    id = {__MODULE__, make_ref()}
+    :telemetry.attach_many(id, events, &__MODULE__.forward_event/4, self())
+    ExUnit.Callbacks.on_exit(fn -> :telemetry.detach(id) end)
+  end
+
+  @doc false
   def forward_event(event, measurements, metadata, pid) do
     send(pid, {:telemetry, event, measurements, metadata})
   end

@@ -105,7 +105,6 @@ extern "C" {
         out: *mut *mut moat_array,
     ) -> c_int;
     pub fn moat_tril(a: *const moat_array, k: c_int, out: *mut *mut moat_array) -> c_int;
-    pub fn moat_triu(a: *const moat_array, k: c_int, out: *mut *mut moat_array) -> c_int;
 
     // -- element-wise
     pub fn moat_add(a: *const moat_array, b: *const moat_array, out: *mut *mut moat_array) -> c_int;
@@ -220,7 +219,6 @@ extern "C" {
     pub fn moat_cholesky(a: *const moat_array, upper: c_int, out: *mut *mut moat_array) -> c_int;
     pub fn moat_solve(a: *const moat_array, b: *const moat_array, out: *mut *mut moat_array) -> c_int;
     pub fn moat_solve_triangular(a: *const moat_array, b: *const moat_array, upper: c_int, out: *mut *mut moat_array) -> c_int;
-    pub fn moat_inv(a: *const moat_array, out: *mut *mut moat_array) -> c_int;
 
     // -- windows and convolution
     pub fn moat_conv_general(

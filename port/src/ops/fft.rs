@@ -44,11 +44,18 @@ pub fn irfft(x: &[&Array], a: &Term) -> Outputs {
     transform(x[0], a, Kind::RealInverse, "axis", "length")
 }
 
+// `axis`/`length` (one transform) or `axes`/`lengths` (two), as one list.
+fn int_or_ints(t: &Term) -> std::result::Result<Vec<i32>, attrs::AttrError> {
+    if t.as_list().is_some() {
+        attrs::ints(t)
+    } else {
+        Ok(vec![attrs::int(t)?])
+    }
+}
+
 fn transform(x: &Array, a: &Term, kind: Kind, axes_key: &str, lengths_key: &str) -> Outputs {
-    let field = attrs::field(a, axes_key)?;
-    let axes = if field.as_list().is_some() { attrs::ints(field)? } else { vec![attrs::int(field)?] };
-    let field = attrs::field(a, lengths_key)?;
-    let lengths = if field.as_list().is_some() { attrs::ints(field)? } else { vec![attrs::int(field)?] };
+    let axes = int_or_ints(attrs::field(a, axes_key)?)?;
+    let lengths = int_or_ints(attrs::field(a, lengths_key)?)?;
     let eps = attrs::float(attrs::field(a, "eps")?)?;
     // MLX transforms in c64/f32; wider inputs are narrowed first (Moat has
     // no c128, so Nx's type for them is refused before they get here).

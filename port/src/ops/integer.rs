@@ -24,8 +24,7 @@ pub fn quotient(x: &[&Array], a: &Term) -> Outputs {
         return finish(ops::floor_divide(&l, &r), a);
     }
     let zero = int_const(0, dtype)?;
-    let minus_one = ops::equal(&r, &int_const(-1, dtype)?)?;
-    let divisor = ops::where_(&minus_one, &int_const(1, dtype)?, &r)?;
+    let (divisor, minus_one) = without_minus_one(&r)?;
     let floor = ops::floor_divide(&l, &divisor)?;
     // Floor and truncation differ by one when the division is inexact and
     // the operands' signs differ.
@@ -50,8 +49,7 @@ pub fn remainder(x: &[&Array], a: &Term) -> Outputs {
         return finish(ops::remainder(&l, &r), a);
     }
     let zero = int_const(0, dtype)?;
-    let minus_one = ops::equal(&r, &int_const(-1, dtype)?)?;
-    let divisor = ops::where_(&minus_one, &int_const(1, dtype)?, &r)?;
+    let (divisor, minus_one) = without_minus_one(&r)?;
     let floored = ops::remainder(&l, &divisor)?;
     // MLX's result has the divisor's sign; Nx's has the dividend's.
     let nonzero = ops::not_equal(&floored, &zero)?;
@@ -59,6 +57,14 @@ pub fn remainder(x: &[&Array], a: &Term) -> Outputs {
     let fix = ops::logical_and(&nonzero, &wrong_sign)?;
     let truncated = ops::where_(&fix, &ops::subtract(&floored, &divisor)?, &floored)?;
     finish(ops::where_(&minus_one, &zero, &truncated), a)
+}
+
+/// The divisor with its -1s replaced by 1 (MLX traps on `MIN / -1`), and
+/// where they were, for the caller to put its own result there.
+fn without_minus_one(r: &Array) -> Result<(Array, Array)> {
+    let minus_one = ops::equal(r, &int_const(-1, r.dtype())?)?;
+    let divisor = ops::where_(&minus_one, &int_const(1, r.dtype())?, r)?;
+    Ok((divisor, minus_one))
 }
 
 /// Fails when an integer divisor holds a zero (MLX would return 0 or the

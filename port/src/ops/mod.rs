@@ -26,8 +26,6 @@ mod window;
 use crate::mlx::{ops, Array};
 use crate::term::Term;
 
-pub use attrs::AttrError;
-
 pub type Outputs = Result<Vec<Array>, String>;
 pub type Builder = fn(&[&Array], &Term) -> Outputs;
 
@@ -55,7 +53,6 @@ impl std::fmt::Display for Arity {
     }
 }
 
-#[allow(unused_imports)]
 use Arity::{AtLeast, Exactly as N};
 
 /// One entry per op: name, inputs, builder. Grouped by family.
@@ -200,11 +197,6 @@ const TABLE: &[(&str, Arity, Builder)] = &[
 
 pub fn builder(op: &str) -> Option<(Arity, Builder)> {
     TABLE.iter().find(|(name, _, _)| *name == op).map(|(_, arity, b)| (*arity, *b))
-}
-
-/// Every op name in the table (for tests and diagnostics).
-pub fn names() -> impl Iterator<Item = &'static str> {
-    TABLE.iter().map(|(name, _, _)| *name)
 }
 
 /// The single output of an op, converted to the attrs' `type` if it has one.

@@ -10,11 +10,11 @@
 
 use super::convert::float_scalar;
 use crate::mlx::{ops, Array, Dtype, Result};
+use std::f64::consts::{FRAC_2_PI, FRAC_2_SQRT_PI};
 
 const PIO2_1: f64 = 1.5707963267341256;
 const PIO2_2: f64 = 6.077100506303966e-11;
 const PIO2_3: f64 = 2.0222662487959506e-21;
-const TWO_OVER_PI: f64 = 0.6366197723675814;
 /// (-1)^n / (2n + 1)!, n = 1..9.
 const SIN: [f64; 9] = [
     -0.16666666666666666,
@@ -41,7 +41,7 @@ const COS: [f64; 9] = [
 ];
 /// erf(x) = x * sum(ERF_SMALL[n] * x^2n) for |x| < 0.5.
 const ERF_SMALL: [f64; 13] = [
-    1.1283791670955126,
+    FRAC_2_SQRT_PI,
     -0.37612638903183754,
     0.11283791670955126,
     -0.026866170645131252,
@@ -101,7 +101,6 @@ const ERFCX_B: [f64; 20] = [
     1.270125629361294e-17,
     -1.2682476193385773e-18,
 ];
-const FRAC_2_SQRT_PI: f64 = 1.1283791670955126;
 const FRAC_1_SQRT_PI: f64 = 0.5641895835477563;
 /// Terms of erfc's continued fraction for x >= 4 (relative error < 1e-20).
 const ERFC_CF_TERMS: u32 = 30;
@@ -161,7 +160,7 @@ pub fn sigmoid(x: &Array) -> Result<Array> {
 /// |x| < 2^19 pi), then Taylor polynomials on [-pi/4, pi/4] and the
 /// quadrant's sign and swap.
 fn sin_cos(x: &Array) -> Result<(Array, Array)> {
-    let n = ops::floor(&add_k(&mul_k(x, TWO_OVER_PI)?, 0.5)?)?;
+    let n = ops::floor(&add_k(&mul_k(x, FRAC_2_PI)?, 0.5)?)?;
     let mut r = ops::subtract(x, &mul_k(&n, PIO2_1)?)?;
     r = ops::subtract(&r, &mul_k(&n, PIO2_2)?)?;
     r = ops::subtract(&r, &mul_k(&n, PIO2_3)?)?;

@@ -135,13 +135,16 @@ pub(super) fn complex(re: &Array, im: &Array) -> Result<Array> {
     ops::add(&re, &ops::multiply(&ops::astype(im, Dtype::C64)?, &i)?)
 }
 
+/// Low and high padding per spatial axis.
+type Padding = Vec<(i32, i32)>;
+
 /// With any negative padding, the input is dilated explicitly and cropped,
 /// leaving MLX a dilation of 1 and non-negative padding.
 fn crop_negative_padding(
     input: &Array,
     dilation: &[i32],
     padding: &[(i32, i32)],
-) -> Result<(Array, Vec<i32>, Vec<(i32, i32)>)> {
+) -> Result<(Array, Vec<i32>, Padding)> {
     if padding.iter().all(|&(lo, hi)| lo >= 0 && hi >= 0) {
         return Ok((input.share()?, dilation.to_vec(), padding.to_vec()));
     }

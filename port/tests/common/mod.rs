@@ -25,6 +25,17 @@ pub fn pipe() -> (OwnedFd, OwnedFd) {
     (r.into(), w.into())
 }
 
+fn wait_for(child: &mut Child, within: Duration) -> std::process::ExitStatus {
+    let deadline = Instant::now() + within;
+    loop {
+        if let Some(status) = child.try_wait().expect("wait") {
+            return status;
+        }
+        assert!(Instant::now() < deadline, "worker still running after {within:?}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
 impl Worker {
     pub fn start(extra: &[&str]) -> Worker {
         Worker::start_with(extra, Stdio::inherit())
@@ -82,14 +93,7 @@ impl Worker {
 
     /// Waits for the worker to exit on its own.
     pub fn wait_exit(&mut self, within: Duration) -> std::process::ExitStatus {
-        let deadline = Instant::now() + within;
-        loop {
-            if let Some(status) = self.child.try_wait().expect("wait") {
-                return status;
-            }
-            assert!(Instant::now() < deadline, "worker still running after {within:?}");
-            std::thread::sleep(Duration::from_millis(5));
-        }
+        wait_for(&mut self.child, within)
     }
 
     pub fn request(&mut self, seq: u64, op: &str, outs: &[u64], ins: &[u64], attrs: Term) {
@@ -97,10 +101,14 @@ impl Worker {
         self.send(header, &[]);
     }
 
+    /// `from_binary` of `bytes` as tensor `id` of type `{kind, bits}`.
+    pub fn upload(&mut self, id: u64, shape: &[i32], kind: &str, bits: u32, bytes: &[u8]) {
+        let header = request(0, self.generation, "from_binary", &[id], &[], tensor_attrs(shape, kind, bits, bytes.len()));
+        self.send(header, bytes);
+    }
+
     pub fn upload_f32(&mut self, id: u64, shape: &[i32], values: &[f32]) {
-        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
-        let header = request(0, self.generation, "from_binary", &[id], &[], tensor_attrs(shape, "f", 32, bytes.len()));
-        self.send(header, &bytes);
+        self.upload(id, shape, "f", 32, &f32_bytes(values));
     }
 
     /// `to_binary` of `id`: the concatenated payload, or the error tuple.
@@ -122,22 +130,20 @@ impl Worker {
         }
     }
 
+    /// `to_binary` of `id`, which must succeed.
+    pub fn read_bytes(&mut self, seq: u64, id: u64) -> Vec<u8> {
+        self.read(seq, id).unwrap_or_else(|e| panic!("to_binary failed: {e}")).1
+    }
+
     pub fn read_f32(&mut self, seq: u64, id: u64) -> Vec<f32> {
-        let (_, bytes) = self.read(seq, id).unwrap_or_else(|e| panic!("to_binary failed: {e}"));
-        bytes.chunks(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
+        self.read_bytes(seq, id).chunks(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
     }
 
     /// Closes the worker's input and waits for it to exit.
-    pub fn close(mut self, within: Duration) -> std::process::ExitStatus {
-        drop(self.to);
-        let deadline = Instant::now() + within;
-        loop {
-            if let Some(status) = self.child.try_wait().expect("wait") {
-                return status;
-            }
-            assert!(Instant::now() < deadline, "worker still running {within:?} after its input closed");
-            std::thread::sleep(Duration::from_millis(10));
-        }
+    pub fn close(self, within: Duration) -> std::process::ExitStatus {
+        let Worker { mut child, to, .. } = self;
+        drop(to);
+        wait_for(&mut child, within)
     }
 
     pub fn pid(&self) -> u32 {
@@ -153,13 +159,34 @@ pub fn nil() -> Term {
     Term::atom("nil")
 }
 
+/// The Nx type `{kind, bits}`.
+pub fn ty(kind: &str, bits: u32) -> Term {
+    Term::tuple(vec![Term::atom(kind), Term::int(bits)])
+}
+
 /// `%{type: {kind, bits}}`: the attrs of most graph ops.
 pub fn typed(kind: &str, bits: u32) -> Term {
-    moat_port::protocol::map(vec![("type", Term::tuple(vec![Term::atom(kind), Term::int(bits)]))])
+    moat_port::protocol::map(vec![("type", ty(kind, bits))])
 }
 
 pub fn ids(v: &[u64]) -> Term {
     Term::List(v.iter().map(|i| Term::int(*i)).collect())
+}
+
+pub fn ints(v: &[i64]) -> Term {
+    Term::List(v.iter().map(|i| Term::int(*i)).collect())
+}
+
+pub fn f32_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+pub fn i32_bytes(v: &[i32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+pub fn i32_values(bytes: &[u8]) -> Vec<i32> {
+    bytes.chunks(4).map(|c| i32::from_le_bytes(c.try_into().unwrap())).collect()
 }
 
 pub fn request(seq: u64, generation: u64, op: &str, outs: &[u64], ins: &[u64], attrs: Term) -> Term {
@@ -169,7 +196,7 @@ pub fn request(seq: u64, generation: u64, op: &str, outs: &[u64], ins: &[u64], a
 pub fn tensor_attrs(shape: &[i32], kind: &str, bits: u32, bytes: usize) -> Term {
     moat_port::protocol::map(vec![
         ("bytes", Term::int(bytes as u64)),
-        ("dtype", Term::tuple(vec![Term::atom(kind), Term::int(bits)])),
+        ("dtype", ty(kind, bits)),
         ("shape", moat_port::protocol::shape_term(shape)),
     ])
 }

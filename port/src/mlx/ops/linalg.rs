@@ -1,16 +1,12 @@
 //! Matrix products and decompositions (decompositions run on the CPU stream).
 
-use super::{binary, unary};
+use super::binary;
 use crate::mlx::{ffi, Array, Result};
 use std::ptr;
 
 binary! {
     matmul => moat_matmul,
     solve => moat_solve,
-}
-
-unary! {
-    inv => moat_inv,
 }
 
 /// Runs a shim call that fills `N` outputs.

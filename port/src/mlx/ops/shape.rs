@@ -98,8 +98,3 @@ pub fn tril(a: &Array, k: i32) -> Result<Array> {
     // SAFETY: `a` is live for the call.
     Array::from_call(|out| unsafe { ffi::moat_tril(a.raw(), k, out) })
 }
-
-pub fn triu(a: &Array, k: i32) -> Result<Array> {
-    // SAFETY: `a` is live for the call.
-    Array::from_call(|out| unsafe { ffi::moat_triu(a.raw(), k, out) })
-}

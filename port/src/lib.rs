@@ -2,8 +2,9 @@
 //! layers of protocol.md: `term` and `frame` (bytes), `protocol` (typed
 //! headers), `connection` (reader and writer threads), `session` (the MLX
 //! thread), `checks` (what every op's outputs must pass), `registry` (ids to
-//! arrays), `budget` (the memory limit), `ops` (the op table), `mlx` (the
-//! safe layer over the C++ shim) and `sys` (OS calls).
+//! arrays), `budget` (the memory limit), `shared` (same-host transfers
+//! through shared memory), `ops` (the op table), `mlx` (the safe layer over
+//! the C++ shim) and `sys` (OS calls).
 
 pub mod budget;
 pub mod checks;
@@ -16,5 +17,6 @@ pub mod ops;
 pub mod protocol;
 pub mod registry;
 pub mod session;
+pub mod shared;
 pub mod sys;
 pub mod term;

@@ -20,7 +20,7 @@ fn memory_result(req: &Request, tensors: usize) -> Result<Term, String> {
     let mlx_error = |e: crate::mlx::Error| e.message;
     match req.op.as_str() {
         "memory_info" => Ok(protocol::map(vec![
-            ("active", Term::int(memory::active() as u64)),
+            ("active", Term::int(budget().live() as u64)),
             ("peak", Term::int(memory::peak() as u64)),
             ("cache", Term::int(memory::cache() as u64)),
             ("limit", Term::int(budget().limit() as u64)),

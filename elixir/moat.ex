@@ -161,15 +161,18 @@ defmodule Moat do
 
     conn = Client.conn(Keyword.get(opts, :worker, Moat.Worker))
     id = Client.new_id()
+    ref = Client.ref(conn, id)
     Client.upload(conn, id, binary, dims, type)
-    Client.ref(conn, id)
+    ref
   end
 
   @doc "Evaluates the tensor and returns its bytes."
   @spec to_binary(Ref.t()) :: binary()
   def to_binary(%Ref{worker: worker} = ref) do
     :telemetry.span([:moat, :to_binary], %{worker: worker}, fn ->
-      {meta, data} = call!(ref, :to_binary)
+      conn = Client.conn(worker)
+      [id] = Client.ids!(conn, [ref], :to_binary)
+      {:ok, meta, data} = ok!(Client.to_binary(conn, id))
       shape = List.to_tuple(meta.shape)
       {data, %{worker: worker, shape: shape, dtype: meta.dtype, byte_size: meta.bytes}}
     end)

@@ -22,6 +22,7 @@
 //! is process-wide, like MLX's allocator.
 
 use crate::mlx::{self, memory, Array};
+use crate::shared;
 use std::fmt;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::OnceLock;
@@ -106,6 +107,7 @@ impl Budget {
 
     pub fn set_cache_limit(&self, bytes: usize) -> crate::mlx::Result<usize> {
         memory::set_cache_limit(bytes)?;
+        shared::limit_cached(bytes);
         Ok(self.cache_limit.swap(bytes, Ordering::AcqRel))
     }
 
@@ -119,9 +121,9 @@ impl Budget {
         if total > limit {
             return Err(Exceeded { need, in_use, limit });
         }
-        if total.saturating_add(memory::cache()) > limit {
+        if total.saturating_add(cache()) > limit {
             // Freed buffers would otherwise keep the process above the limit.
-            let _ = memory::clear_cache();
+            clear_cache();
         }
         Ok(())
     }
@@ -150,6 +152,17 @@ impl Budget {
         self.reserved.fetch_add(need, Ordering::AcqRel);
         Ok(Reservation(need))
     }
+}
+
+/// Freed memory kept for reuse: MLX's buffers and shared memory files.
+pub fn cache() -> usize {
+    memory::cache().saturating_add(shared::cached())
+}
+
+/// Returns the cached memory to the system.
+pub fn clear_cache() {
+    let _ = memory::clear_cache();
+    shared::clear_cached();
 }
 
 /// Why a request does not fit, or MLX's error while finding out.

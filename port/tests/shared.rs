@@ -89,14 +89,6 @@ fn an_upload_through_a_shared_file_arrives_intact_and_is_counted() {
     upload_shared(&mut w, 2, 1, &[bytes.len() as i32], &bytes);
     assert_eq!(active(&mut w, 3), before + bytes.len(), "the mapping counts as live");
     assert_eq!(w.read(4, 1).unwrap().1, bytes);
-    // The file's descriptor is closed once mapped: only the mapping holds it.
-    let memfds = |w: &Worker| {
-        std::fs::read_dir(format!("/proc/{}/fd", w.pid()))
-            .unwrap()
-            .filter(|e| std::fs::read_link(e.as_ref().unwrap().path()).unwrap().to_string_lossy().contains("moat-upload"))
-            .count()
-    };
-    assert_eq!(memfds(&w), 0);
     w.request(0, "release", &[], &[1], nil());
     assert_eq!(active(&mut w, 5), before, "released with its tensor");
     w.close(Duration::from_secs(1));
@@ -297,5 +289,41 @@ fn upload_frames_sent_as_calls_are_refused_at_once() {
     let header = request(9, 3, "from_binary", &[3], &[], tensor_attrs(&[1], "f", 32, 4));
     w.send(header, &[0; 4]);
     assert_eq!(error_parts(&w.recv().0).0, "from_binary");
+    w.close(Duration::from_secs(1));
+}
+
+#[test]
+fn a_released_uploads_file_is_cached_for_the_next_upload_of_its_size() {
+    let mut w = Worker::start(&[]);
+    let cache = |w: &mut Worker, seq| int(&call(w, seq, "memory_info", &[], &[], nil()).unwrap().0, "cache") as usize;
+    let attrs = || tensor_attrs(&[MIB as i32], "u", 8, MIB);
+    let (first, _) = call(&mut w, 1, "upload_file", &[1], &[], attrs()).unwrap();
+    fill(&first, &pattern(MIB));
+    w.request(0, "from_file", &[1], &[], nil());
+    call(&mut w, 20, "clear_cache", &[], &[], nil()).unwrap();
+    w.request(0, "release", &[], &[1], nil());
+    assert_eq!(cache(&mut w, 2), MIB);
+    assert_eq!(active(&mut w, 3), 0);
+    let (second, _) = call(&mut w, 4, "upload_file", &[2], &[], attrs()).unwrap();
+    assert_eq!(int(&second, "inode"), int(&first, "inode"), "the same file, its pages in place");
+    assert_eq!(cache(&mut w, 5), 0);
+    fill(&second, &vec![9u8; MIB]);
+    w.request(0, "from_file", &[2], &[], nil());
+    assert_eq!(w.read(6, 2).unwrap().1, vec![9u8; MIB]);
+    // Another size makes a new file; clear_cache closes the cached ones.
+    w.request(0, "release", &[], &[2], nil());
+    call(&mut w, 7, "upload_file", &[3], &[], tensor_attrs(&[4096], "u", 8, 4096)).unwrap();
+    assert_eq!(cache(&mut w, 8), MIB);
+    call(&mut w, 9, "clear_cache", &[], &[], nil()).unwrap();
+    assert_eq!(cache(&mut w, 10), 0);
+    let open = std::fs::read_dir(format!("/proc/{}/fd", w.pid())).unwrap().filter(|e| {
+        std::fs::read_link(e.as_ref().unwrap().path()).unwrap().to_string_lossy().contains("moat-upload")
+    });
+    assert_eq!(open.count(), 1, "only the staged file of id 3 is open");
+    // A cache limit below a file's size keeps nothing.
+    call(&mut w, 11, "set_cache_limit", &[], &[], Term::int(1024u64)).unwrap();
+    w.request(0, "from_file", &[3], &[], nil());
+    w.request(0, "release", &[], &[3], nil());
+    assert_eq!(cache(&mut w, 12), 0);
     w.close(Duration::from_secs(1));
 }

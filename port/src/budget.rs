@@ -34,6 +34,9 @@ pub struct Budget {
     reserved: AtomicUsize,
     /// Live bytes outside MLX's allocator (shared-memory uploads).
     held: AtomicUsize,
+    /// The most live bytes when memory was held, since start or
+    /// `reset_peak` (MLX's own peak counts only its allocator).
+    peak: AtomicUsize,
 }
 
 /// A request that would take the worker past its memory limit.
@@ -85,6 +88,7 @@ pub fn budget() -> &'static Budget {
             cache_limit: AtomicUsize::new(limit),
             reserved: AtomicUsize::new(0),
             held: AtomicUsize::new(0),
+            peak: AtomicUsize::new(0),
         }
     })
 }
@@ -143,7 +147,20 @@ impl Budget {
     pub fn hold(&self, need: usize) -> Result<Held, Exceeded> {
         self.admit(need)?;
         self.held.fetch_add(need, Ordering::AcqRel);
+        self.peak.fetch_max(self.live(), Ordering::AcqRel);
         Ok(Held(need))
+    }
+
+    /// The most live bytes reached by an allocation since start or
+    /// `reset_peak`: MLX's peak, or more with memory held outside it.
+    pub fn peak(&self) -> usize {
+        memory::peak().max(self.peak.load(Ordering::Acquire))
+    }
+
+    pub fn reset_peak(&self) -> crate::mlx::Result<()> {
+        memory::reset_peak()?;
+        self.peak.store(0, Ordering::Release);
+        Ok(())
     }
 
     /// `admit`, then holds `need` bytes until the reservation drops.

@@ -50,6 +50,11 @@ pub enum Outgoing {
     Data { seq: u64, result: Term, data: Evaluated },
 }
 
+/// The op that failures of `upload_file` and `from_file` name: they are
+/// `from_binary` through shared memory, and a caller sees the same error
+/// whichever way the bytes travel.
+const UPLOAD: &str = "from_binary";
+
 /// What the reader needs besides its input.
 #[derive(Clone)]
 pub struct ReaderConfig {
@@ -206,10 +211,10 @@ impl<R: Read> Reader<R> {
     /// where it is.
     fn stage(&mut self, req: Request) -> io::Result<Incoming> {
         if !self.config.shared_memory {
-            return self.refuse(req, "upload_file", "shared memory is off in this worker".into());
+            return self.refuse(req, UPLOAD, "shared memory is off in this worker".into());
         }
         if req.seq == 0 {
-            return self.refuse(req, "upload_file", "upload_file is a call: send it with a seq".into());
+            return self.refuse(req, UPLOAD, "upload_file is a call: send it with a seq".into());
         }
         if req.generation != self.config.generation {
             let message = format!(
@@ -220,15 +225,15 @@ impl<R: Read> Reader<R> {
         }
         let (shape, dtype, total) = match upload_attrs(&req) {
             Ok(v) => v,
-            Err(message) => return self.refuse(req, "upload_file", message),
+            Err(message) => return self.refuse(req, UPLOAD, message),
         };
         let id = req.outs[0];
         if self.staged.contains_key(&id) || self.uploads.contains_key(&id) {
-            return self.refuse(req, "upload_file", format!("tensor id {id} is already being uploaded"));
+            return self.refuse(req, UPLOAD, format!("tensor id {id} is already being uploaded"));
         }
         let staged = match Staged::new(shape, dtype, total).and_then(|s| s.location().map(|at| (s, at))) {
             Ok(v) => v,
-            Err(message) => return self.refuse(req, "upload_file", format!("upload_file: {message}")),
+            Err(message) => return self.refuse(req, UPLOAD, format!("from_binary: {message}")),
         };
         let (staged, location) = staged;
         self.staged.insert(id, staged);
@@ -240,14 +245,14 @@ impl<R: Read> Reader<R> {
     fn from_file(&mut self, req: Request) -> io::Result<Incoming> {
         let id = match req.outs.as_slice() {
             [id] if req.ins.is_empty() => *id,
-            _ => return self.refuse(req, "from_file", "from_file defines exactly one id and reads none".into()),
+            _ => return self.refuse(req, UPLOAD, "from_file defines exactly one id and reads none".into()),
         };
         let Some(staged) = self.staged.remove(&id) else {
-            return self.refuse(req, "from_file", format!("no shared file for tensor id {id} (see upload_file)"));
+            return self.refuse(req, UPLOAD, format!("no shared file for tensor id {id} (see upload_file)"));
         };
         match staged.map() {
             Ok(mapped) => Ok(Incoming::Request { req, upload: Some(Upload::Shared(mapped)) }),
-            Err(message) => self.refuse(req, "from_file", message),
+            Err(message) => self.refuse(req, UPLOAD, message),
         }
     }
 }

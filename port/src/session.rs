@@ -202,14 +202,14 @@ impl Session {
 
     fn from_upload(&mut self, req: &Request, upload: Option<Upload>) {
         let Some(upload) = upload else {
-            return self.fail(req.seq, &req.outs, Failure::new(&req.op, "no tensor bytes arrived"));
+            return self.fail(req.seq, &req.outs, Failure::new("from_binary", "no tensor bytes arrived"));
         };
         match upload.into_array() {
             Ok(array) => {
                 self.registry.insert(req.outs[0], array);
                 self.reply(req.seq, Term::atom("nil"));
             }
-            Err(e) => self.fail(req.seq, &req.outs, Failure::new(&req.op, e.message)),
+            Err(e) => self.fail(req.seq, &req.outs, Failure::new("from_binary", e.message)),
         }
     }
 

@@ -87,7 +87,9 @@ fn an_upload_through_a_shared_file_arrives_intact_and_is_counted() {
     let bytes = pattern(3 * MIB + 5);
     let before = active(&mut w, 1);
     upload_shared(&mut w, 2, 1, &[bytes.len() as i32], &bytes);
-    assert_eq!(active(&mut w, 3), before + bytes.len(), "the mapping counts as live");
+    let info = call(&mut w, 3, "memory_info", &[], &[], nil()).unwrap().0;
+    assert_eq!(int(&info, "active") as usize, before + bytes.len(), "the mapping counts as live");
+    assert!(int(&info, "peak") >= int(&info, "active"), "and in the peak: {info}");
     assert_eq!(w.read(4, 1).unwrap().1, bytes);
     w.request(0, "release", &[], &[1], nil());
     assert_eq!(active(&mut w, 5), before, "released with its tensor");
@@ -173,7 +175,7 @@ fn a_shared_file_released_before_it_is_used_goes_with_its_budget() {
     assert!(std::fs::read_link(&path).map_or(true, |t| !t.to_string_lossy().contains("moat-upload")), "{path} still open");
     w.request(0, "from_file", &[1], &[], nil());
     let (op, message) = error_parts(&w.recv().0);
-    assert_eq!(op, "from_file");
+    assert_eq!(op, "from_binary");
     assert!(message.contains("no shared file for tensor id 1"), "{message}");
     w.close(Duration::from_secs(1));
 }
@@ -196,14 +198,14 @@ fn shared_files_count_against_the_memory_limit() {
     let mut w = Worker::start(&[]);
     call(&mut w, 1, "set_memory_limit", &[], &[], Term::int(4 * MIB as u64)).unwrap();
     let (op, message) = error_parts(&call(&mut w, 2, "upload_file", &[1], &[], tensor_attrs(&[8 << 20], "u", 8, 8 * MIB)).unwrap_err());
-    assert_eq!(op, "upload_file");
+    assert_eq!(op, "from_binary");
     assert!(message.contains("memory limit exceeded: needs 8.0 MiB"), "{message}");
     call(&mut w, 3, "upload_file", &[2], &[], tensor_attrs(&[3 << 20], "u", 8, 3 * MIB)).unwrap();
     let (_, message) = error_parts(&call(&mut w, 4, "upload_file", &[3], &[], tensor_attrs(&[2 << 20], "u", 8, 2 * MIB)).unwrap_err());
     assert!(message.contains("3.0 MiB in use"), "the first file counts: {message}");
     // The refused id is poisoned with the refusal.
     let (op, _) = error_parts(&w.read(5, 1).unwrap_err());
-    assert_eq!(op, "upload_file");
+    assert_eq!(op, "from_binary");
     w.close(Duration::from_secs(1));
 }
 
@@ -218,17 +220,17 @@ fn bad_shared_uploads_are_refused_with_the_op_named() {
     ];
     for (seq, (op, outs, attrs, why)) in refusals.into_iter().enumerate() {
         let (failed, message) = error_parts(&call(&mut w, seq as u64 + 1, op, &outs, &[], attrs).unwrap_err());
-        assert_eq!(failed, op);
+        assert_eq!(failed, "from_binary", "{op}");
         assert!(message.contains(why), "{message}");
     }
     // A call, so that its reply can carry the location.
     w.request(0, "upload_file", &[3], &[], attrs());
     let (op, message) = error_parts(&w.recv().0);
-    assert_eq!(op, "upload_file");
+    assert_eq!(op, "from_binary");
     assert!(message.contains("upload_file is a call"), "{message}");
     w.request(0, "from_file", &[4], &[], nil());
     let (op, message) = error_parts(&w.recv().0);
-    assert_eq!(op, "from_file");
+    assert_eq!(op, "from_binary");
     assert!(message.contains("no shared file for tensor id 4"), "{message}");
     call(&mut w, 9, "upload_file", &[5], &[], attrs()).unwrap();
     let (_, message) = error_parts(&call(&mut w, 10, "upload_file", &[5], &[], attrs()).unwrap_err());
@@ -241,7 +243,7 @@ fn a_worker_started_without_shared_memory_offers_none_and_answers_through_the_pi
     let mut w = Worker::start(&["--shared-memory", "false"]);
     assert_eq!(offer(&w), nil());
     let (op, message) = error_parts(&call(&mut w, 1, "upload_file", &[1], &[], tensor_attrs(&[4], "u", 8, 4)).unwrap_err());
-    assert_eq!(op, "upload_file");
+    assert_eq!(op, "from_binary");
     assert!(message.contains("shared memory is off"), "{message}");
     w.upload_f32(2, &[2], &[1.0, 2.0]);
     let (info, payload) = call(&mut w, 2, "to_binary", &[10], &[2], pin(1)).unwrap();

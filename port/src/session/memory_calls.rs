@@ -22,13 +22,13 @@ fn memory_result(req: &Request, tensors: usize) -> Result<Term, String> {
     match req.op.as_str() {
         "memory_info" => Ok(protocol::map(vec![
             ("active", Term::int(budget().live() as u64)),
-            ("peak", Term::int(memory::peak() as u64)),
+            ("peak", Term::int(budget().peak() as u64)),
             ("cache", Term::int(budget::cache() as u64)),
             ("limit", Term::int(budget().limit() as u64)),
             ("cache_limit", Term::int(budget().cache_limit() as u64)),
             ("tensors", Term::int(tensors as u64)),
         ])),
-        "reset_peak_memory" => memory::reset_peak().map(|()| Term::atom("nil")).map_err(mlx_error),
+        "reset_peak_memory" => budget().reset_peak().map(|()| Term::atom("nil")).map_err(mlx_error),
         "clear_cache" => memory::clear_cache().map(|()| {
             shared::clear_cached();
             Term::atom("nil")

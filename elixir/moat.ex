@@ -90,7 +90,8 @@ defmodule Moat do
   ## Telemetry
 
     * `[:moat, :to_binary, :start | :stop | :exception]` — metadata `:worker`;
-      `:stop` adds `:shape`, `:dtype` and `:byte_size`
+      `:stop` adds `:shape`, `:dtype`, `:byte_size` and `:transfer`
+      (`:pipe` or `:shared_memory`, see `Moat.Worker`'s `:shared_memory`)
     * `[:moat, :eval, :start | :stop | :exception]` — metadata `:worker`, `:count`
     * `[:moat, :memory, :stats]` — on every `memory_info/1`; measurements
       `:active`, `:peak`, `:cache` (bytes) and `:tensors`; metadata `:worker`
@@ -141,8 +142,9 @@ defmodule Moat do
 
   @doc """
   Uploads `binary` (Nx's layout: row-major, native little-endian) as a tensor
-  of `shape` and `type`. Returns at once; upload errors surface at the next
-  blocking call on the tensor.
+  of `shape` and `type`. Returns once the bytes are on their way (a large
+  binary that goes through shared memory is written before it returns);
+  upload errors surface at the next blocking call on the tensor.
 
   Options: `:worker` (default `Moat.Worker`).
   """
@@ -170,11 +172,10 @@ defmodule Moat do
   @spec to_binary(Ref.t()) :: binary()
   def to_binary(%Ref{worker: worker} = ref) do
     :telemetry.span([:moat, :to_binary], %{worker: worker}, fn ->
-      conn = Client.conn(worker)
-      [id] = Client.ids!(conn, [ref], :to_binary)
-      {:ok, meta, data} = ok!(Client.to_binary(conn, id))
+      {:ok, meta, data} = ok!(Client.to_binary(ref))
       shape = List.to_tuple(meta.shape)
-      {data, %{worker: worker, shape: shape, dtype: meta.dtype, byte_size: meta.bytes}}
+      transfer = Map.get(meta, :transfer, :pipe)
+      {data, %{worker: worker, shape: shape, dtype: meta.dtype, byte_size: meta.bytes, transfer: transfer}}
     end)
   end
 

@@ -242,6 +242,7 @@ defmodule Moat.Client do
   defp shared?(%__MODULE__{shared: %{threshold: threshold}}, bytes), do: bytes > 0 and bytes >= threshold
   defp shared?(_conn, _bytes), do: false
 
+  # Errors name :from_binary, whichever way the bytes travel.
   defp upload_shared(conn, id, binary, attrs) do
     case request(conn, :upload_file, [id], [], attrs, :infinity) do
       {:ok, location, _} ->
@@ -263,6 +264,8 @@ defmodule Moat.Client do
       {:error, e} ->
         raise e
     end
+  rescue
+    e in Error -> reraise Error.new(e.reason, :from_binary, String.replace_prefix(e.message, "#{e.op}: ", "")), __STACKTRACE__
   end
 
   defp upload_piped(conn, id, binary, attrs) do
@@ -291,15 +294,24 @@ defmodule Moat.Client do
   def call(conn, op, ins, attrs, timeout \\ :infinity), do: request(conn, op, [], ins, attrs, timeout)
 
   @doc """
-  Evaluates tensor `id` and returns its bytes as `call/5` does, with the
+  Evaluates a tensor and returns its bytes as `call/5` does, with the
   reply's metadata. Where the connection has shared memory, a tensor of at
-  least its threshold of bytes is read straight from the worker's memory,
-  and the worker holds it (as a pin, an id of its own) only until then.
+  least its threshold of bytes is read straight from the worker's memory
+  (the metadata says `transfer: :shared_memory`), and the worker holds it
+  (as a pin, an id of its own) only until then.
   """
-  @spec to_binary(t(), pos_integer()) :: {:ok, map(), binary()} | {:error, Error.t()}
-  def to_binary(%__MODULE__{shared: nil} = conn, id), do: call(conn, :to_binary, [id], nil)
+  @spec to_binary(Ref.t()) :: {:ok, map(), binary()} | {:error, Error.t()}
+  def to_binary(%Ref{worker: name} = ref) do
+    conn = conn(name)
+    [id] = ids!(conn, [ref], :to_binary)
 
-  def to_binary(%__MODULE__{shared: shared, releaser: releaser} = conn, id) do
+    case conn.shared do
+      nil -> call(conn, :to_binary, [id], nil)
+      shared -> to_binary_shared(conn, shared, ref, id)
+    end
+  end
+
+  defp to_binary_shared(%__MODULE__{releaser: releaser} = conn, shared, ref, id) do
     pin = new_id()
     # The pin goes like a tensor: released below, or by this process's
     # garbage should it die before.
@@ -312,11 +324,12 @@ defmodule Moat.Client do
 
         case read do
           {:ok, data} ->
-            {:ok, Map.delete(meta, :address), data}
+            {:ok, meta |> Map.delete(:address) |> Map.put(:transfer, :shared_memory), data}
 
           {:error, why} ->
             Logger.warning("Moat: cannot read the worker's memory (#{inspect(why)}); using the pipe")
-            call(conn, :to_binary, [id], nil)
+            # The handle, used again here, stays alive until this call is sent.
+            call(conn, :to_binary, ids!(conn, [ref], :to_binary), nil)
         end
 
       reply ->
@@ -328,11 +341,28 @@ defmodule Moat.Client do
   defp request(conn, op, outs, ins, attrs, timeout) do
     seq = :atomics.add_get(conn.counters, @seq, 1)
     mref = :erlang.monitor(:process, conn.owner, alias: :demonitor)
-    :ets.insert(conn.table, {seq, mref})
-    :atomics.add(conn.counters, @sent, 1)
 
+    if register(conn, seq, mref) do
+      :atomics.add(conn.counters, @sent, 1)
+      send_request(conn, op, seq, mref, Protocol.request(seq, conn.generation, op, outs, ins, attrs), timeout)
+    else
+      # The owner died, and its table with it, since `conn` was read; the
+      # monitor says how.
+      receive do
+        {:DOWN, ^mref, :process, _, reason} -> {:error, Error.new(:worker_died, op, died(reason, conn))}
+      end
+    end
+  end
+
+  defp register(conn, seq, mref) do
+    :ets.insert(conn.table, {seq, mref})
+  rescue
+    ArgumentError -> false
+  end
+
+  defp send_request(conn, op, seq, mref, frame, timeout) do
     try do
-      command(conn, op, Protocol.request(seq, conn.generation, op, outs, ins, attrs))
+      command(conn, op, frame)
       await(conn, op, seq, mref, [], timeout)
     rescue
       e in Error ->

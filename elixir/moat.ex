@@ -81,11 +81,13 @@ defmodule Moat do
 
   Each raises a `Moat.Error` (at the next blocking call for the first two)
   naming the sizes; the worker lives and serves the next call. The limit
-  bounds result buffers: views (broadcasts, transposes, slices, reshapes of
-  dense tensors) count nothing, MLX may reuse an input's buffer for a
-  result, and a kernel's scratch space is not counted. Freed buffers are
-  cached for reuse up to the cache limit (`set_cache_limit/2`), and the
-  cache is cleared when a request fits only without it.
+  bounds result buffers, tensors uploaded through shared memory included
+  (`Moat.Worker`'s `:shared_memory`): views (broadcasts, transposes,
+  slices, reshapes of dense tensors) count nothing, MLX may reuse an input's
+  buffer for a result, and a kernel's scratch space is not counted. Freed
+  buffers (and the memory files of shared-memory uploads) are cached for
+  reuse up to the cache limit (`set_cache_limit/2`), and the cache is
+  cleared when a request fits only without it.
 
   ## Telemetry
 

@@ -265,7 +265,9 @@ defmodule Moat.Client do
         raise e
     end
   rescue
-    e in Error -> reraise Error.new(e.reason, :from_binary, String.replace_prefix(e.message, "#{e.op}: ", "")), __STACKTRACE__
+    e in Error ->
+      detail = String.replace_prefix(e.message, "#{e.op}: ", "")
+      reraise Error.new(e.reason, :from_binary, detail), __STACKTRACE__
   end
 
   defp upload_piped(conn, id, binary, attrs) do

@@ -59,7 +59,9 @@ defmodule Moat.TransferTest do
     end
 
     test "large tensors go through shared memory, small ones through the pipe, intact", %{worker: w} do
-      for {size, path} <- [{100, :pipe}, {64 * 1024 - 1, :pipe}, {64 * 1024, :shared_memory}, {3 * @mib + 7, :shared_memory}] do
+      sizes = [{100, :pipe}, {64 * 1024 - 1, :pipe}, {64 * 1024, :shared_memory}, {3 * @mib + 7, :shared_memory}]
+
+      for {size, path} <- sizes do
         data = bytes(size)
         ref = Moat.from_binary(data, {size}, {:u, 8}, worker: w)
         # A tensor uploaded through shared memory lives in a memory file.

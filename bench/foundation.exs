@@ -45,9 +45,11 @@ end
 
 one = Moat.from_binary(f32(4, 1.0), {4}, {:f, 32})
 
+# ids!/3 keeps the handles alive until the frame that reads them is sent
+# (a collection while the cast waits for the window would release them).
 raw_add = fn acc ->
   id = Moat.Client.new_id()
-  Moat.Client.cast(conn, :add, [id], [acc.id, one.id], %{type: {:f, 32}})
+  Moat.Client.cast(conn, :add, [id], Moat.Client.ids!(conn, [acc, one], :add), %{type: {:f, 32}})
   Moat.Client.ref(conn, id)
 end
 

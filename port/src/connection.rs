@@ -132,7 +132,7 @@ impl<R: Read> Reader<R> {
                 self.refuse(req, &op, message)
             }
             "upload_file" => self.stage(req),
-            "from_file" => self.from_file(req),
+            "from_file" => self.map_file(req),
             "release" => {
                 // Uploads that never completed go with their ids: their
                 // sender died between chunks, or before filling its file.
@@ -242,7 +242,7 @@ impl<R: Read> Reader<R> {
     }
 
     /// `:from_file`: the filled file becomes the tensor.
-    fn from_file(&mut self, req: Request) -> io::Result<Incoming> {
+    fn map_file(&mut self, req: Request) -> io::Result<Incoming> {
         let id = match req.outs.as_slice() {
             [id] if req.ins.is_empty() => *id,
             _ => return self.refuse(req, UPLOAD, "from_file defines exactly one id and reads none".into()),

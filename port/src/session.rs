@@ -132,7 +132,7 @@ impl Session {
                 Ok(()) => self.reply(req.seq, Term::atom("nil")),
                 Err(message) => self.fail(req.seq, &req.outs, Failure::new("fault", message)),
             },
-            "from_binary" | "from_file" => self.from_upload(&req, upload),
+            "from_binary" | "from_file" => self.define_upload(&req, upload),
             "to_binary" => self.to_binary(&req),
             "eval" => self.eval(&req),
             "async_eval" => self.async_eval(&req),
@@ -200,7 +200,7 @@ impl Session {
         }
     }
 
-    fn from_upload(&mut self, req: &Request, upload: Option<Upload>) {
+    fn define_upload(&mut self, req: &Request, upload: Option<Upload>) {
         let Some(upload) = upload else {
             return self.fail(req.seq, &req.outs, Failure::new("from_binary", "no tensor bytes arrived"));
         };

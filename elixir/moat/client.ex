@@ -237,12 +237,17 @@ defmodule Moat.Client do
     else
       upload_piped(conn, id, binary, attrs)
     end
+  rescue
+    # Errors name :from_binary, whichever way and in whichever frame the
+    # bytes travel.
+    e in Error ->
+      detail = String.replace_prefix(e.message, "#{e.op}: ", "")
+      reraise Error.new(e.reason, :from_binary, detail), __STACKTRACE__
   end
 
   defp shared?(%__MODULE__{shared: %{threshold: threshold}}, bytes), do: bytes > 0 and bytes >= threshold
   defp shared?(_conn, _bytes), do: false
 
-  # Errors name :from_binary, whichever way the bytes travel.
   defp upload_shared(conn, id, binary, attrs) do
     case request(conn, :upload_file, [id], [], attrs, :infinity) do
       {:ok, location, _} ->
@@ -251,9 +256,14 @@ defmodule Moat.Client do
             cast(conn, :from_file, [id], [], nil)
 
           {:error, why} ->
-            # Not expected once the hello's probe passed; the bytes still
-            # arrive, through the pipe, once the worker has dropped its file.
-            Logger.warning("Moat: cannot write the worker's shared file (#{inspect(why)}); using the pipe")
+            # The file is gone (:enoent) when the worker just died, and the
+            # pipe will say so; anything else is not expected once the
+            # hello's probe passed. Either way the bytes go through the pipe
+            # once the worker has dropped its file.
+            if why != :enoent do
+              Logger.warning("Moat: cannot write the worker's shared file (#{inspect(why)}); using the pipe")
+            end
+
             cast(conn, :release, [], [id], nil)
             :pipe
         end
@@ -264,10 +274,6 @@ defmodule Moat.Client do
       {:error, e} ->
         raise e
     end
-  rescue
-    e in Error ->
-      detail = String.replace_prefix(e.message, "#{e.op}: ", "")
-      reraise Error.new(e.reason, :from_binary, detail), __STACKTRACE__
   end
 
   defp upload_piped(conn, id, binary, attrs) do

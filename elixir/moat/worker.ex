@@ -33,12 +33,12 @@ defmodule Moat.Worker do
       worker's memory: the same host, the same user, a kernel that allows
       it (Linux; true by default). Uploads are written into a memory file
       the worker maps as the tensor; readbacks are read from the worker's
-      memory. Each is one copy, several times faster than the pipe for
-      large tensors (bench/foundation.exs). `false`, or a worker that does
-      not pass the check, uses the pipe for everything.
+      memory. Each is one copy where the pipe makes two or three, and
+      faster from about 1 MiB up (bench/foundation.exs). `false`, or a
+      worker that does not pass the check, uses the pipe for everything.
     * `:shared_memory_threshold` - the smallest tensor, in bytes, that goes
-      through shared memory (1 MiB); smaller ones are cheaper
-      through the pipe
+      through shared memory (1 MiB); smaller ones are cheaper through the
+      pipe
     * `:hello_timeout` - how long to wait for the worker's handshake (15 s)
     * `:debug` - debug checks, off by default (default from `config :moat, :debug`):
       * `detect_non_finite: true` - every op evaluates its float results and

@@ -9,7 +9,7 @@
 //!
 //! A memory file whose tensor is gone is kept for the next upload of the
 //! same size, as MLX keeps freed buffers: writing into pages that exist is
-//! several times faster than into new ones (bench/foundation.exs). The kept
+//! much faster than into new ones (about twice, bench/foundation.exs). The kept
 //! files count as cache (`memory_info`'s `cache`), within the cache limit,
 //! and go with `clear_cache` or when a request fits only without the cache.
 

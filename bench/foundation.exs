@@ -45,9 +45,11 @@ end
 
 one = Moat.from_binary(f32(4, 1.0), {4}, {:f, 32})
 
+# ids!/3 keeps the handles alive until the frame that reads them is sent
+# (a collection while the cast waits for the window would release them).
 raw_add = fn acc ->
   id = Moat.Client.new_id()
-  Moat.Client.cast(conn, :add, [id], [acc.id, one.id], %{type: {:f, 32}})
+  Moat.Client.cast(conn, :add, [id], Moat.Client.ids!(conn, [acc, one], :add), %{type: {:f, 32}})
   Moat.Client.ref(conn, id)
 end
 
@@ -67,27 +69,48 @@ row(["Nx.add on Nx.BinaryBackend (computed eagerly)", fmt(n_ops / (median(bin_op
 
 ## Transfers
 
-IO.puts("\n### Transfers (GB/s, 10⁹ bytes/s)\n")
-row(["size", "from_binary (upload + eval)", "to_binary (evaluated)", "reps"])
-row(["---", "---:", "---:", "---:"])
+# The same sizes through the pipe and through shared memory (protocol.md §6),
+# each from a worker of its own, alternating rep by rep so that both see the
+# same machine. Uploads include the eval that waits for them; each sample
+# then drops its tensor (so a shared-memory upload may reuse the file of the
+# one before, as the pipe's reuses MLX's cached buffer).
+{:ok, _} = Moat.Worker.start_link(name: :bench_pipe, shared_memory: false)
+{:ok, _} = Moat.Worker.start_link(name: :bench_shared, shared_memory_threshold: 1)
+paths = [pipe: :bench_pipe, shared_memory: :bench_shared]
+true = Moat.Client.conn(:bench_shared).shared != nil
 
-for {label, bytes, reps} <- [{"1 MB", 1_000_000, 50}, {"64 MB", 64_000_000, 5}, {"1.5 GiB", 1_610_612_736, 2}] do
+IO.puts("\n### Transfers (GB/s, 10⁹ bytes/s)\n")
+IO.puts("Uploads are `Moat.from_binary` + `Moat.eval`; readbacks `Moat.to_binary` of an evaluated tensor.\n")
+row(["size", "upload, pipe", "upload, shared memory", "readback, pipe", "readback, shared memory", "reps"])
+row(["---", "---:", "---:", "---:", "---:", "---:"])
+
+for {label, bytes, reps} <- [{"1 MB", 1_000_000, 50}, {"64 MB", 64_000_000, 5}, {"1.5 GiB", 1_610_612_736, 3}] do
   binary = :binary.copy(<<1, 2, 3, 4, 5, 6, 7, 8>>, div(bytes, 8))
 
-  up =
-    samples(reps, fn ->
-      ref = Moat.from_binary(binary, {bytes}, {:u, 8})
+  upload = fn worker ->
+    time_us(fn ->
+      ref = Moat.from_binary(binary, {bytes}, {:u, 8}, worker: worker)
       :ok = Moat.eval(ref)
-      Nx.backend_deallocate(%Nx.Tensor{data: %Moat.Backend{ref: ref}, shape: {bytes}, type: {:u, 8}, names: [nil]})
+      Moat.deallocate(ref)
     end)
+  end
 
-  ref = Moat.from_binary(binary, {bytes}, {:u, 8})
-  :ok = Moat.eval(ref)
-  down = samples(reps, fn -> ^bytes = byte_size(Moat.to_binary(ref)) end)
-  gbps = fn us -> bytes / (median(us) * 1000) end
-  row([label, fmt(gbps.(up)), fmt(gbps.(down)), "#{reps}"])
+  ups = for _ <- 1..reps, {path, worker} <- paths, do: {path, upload.(worker)}
+
+  refs = for {path, worker} <- paths, into: %{}, do: {path, Moat.from_binary(binary, {bytes}, {:u, 8}, worker: worker)}
+  Enum.each(refs, fn {_, ref} -> :ok = Moat.eval(ref) end)
+  read = fn path -> time_us(fn -> ^bytes = byte_size(Moat.to_binary(refs[path])) end) end
+  downs = for _ <- 1..reps, {path, _} <- paths, do: {path, read.(path)}
+  Enum.each(refs, fn {_, ref} -> Moat.deallocate(ref) end)
+
+  gbps = fn samples, path -> fmt(bytes / (median(for {^path, us} <- samples, do: us) * 1000)) end
+  cells = for samples <- [ups, downs], path <- [:pipe, :shared_memory], do: gbps.(samples, path)
+  row([label | cells] ++ ["#{reps}"])
   :erlang.garbage_collect()
 end
+
+IO.puts("\nBy default tensors under 1 MiB take the pipe (`:shared_memory_threshold`), where it is faster.")
+Enum.each(paths, fn {_, worker} -> GenServer.stop(worker) end)
 
 ## Matmul
 

@@ -81,16 +81,19 @@ defmodule Moat do
 
   Each raises a `Moat.Error` (at the next blocking call for the first two)
   naming the sizes; the worker lives and serves the next call. The limit
-  bounds result buffers: views (broadcasts, transposes, slices, reshapes of
-  dense tensors) count nothing, MLX may reuse an input's buffer for a
-  result, and a kernel's scratch space is not counted. Freed buffers are
-  cached for reuse up to the cache limit (`set_cache_limit/2`), and the
-  cache is cleared when a request fits only without it.
+  bounds result buffers, tensors uploaded through shared memory included
+  (`Moat.Worker`'s `:shared_memory`): views (broadcasts, transposes,
+  slices, reshapes of dense tensors) count nothing, MLX may reuse an input's
+  buffer for a result, and a kernel's scratch space is not counted. Freed
+  buffers (and the memory files of shared-memory uploads) are cached for
+  reuse up to the cache limit (`set_cache_limit/2`), and the cache is
+  cleared when a request fits only without it.
 
   ## Telemetry
 
     * `[:moat, :to_binary, :start | :stop | :exception]` — metadata `:worker`;
-      `:stop` adds `:shape`, `:dtype` and `:byte_size`
+      `:stop` adds `:shape`, `:dtype`, `:byte_size` and `:transfer`
+      (`:pipe` or `:shared_memory`, see `Moat.Worker`'s `:shared_memory`)
     * `[:moat, :eval, :start | :stop | :exception]` — metadata `:worker`, `:count`
     * `[:moat, :memory, :stats]` — on every `memory_info/1`; measurements
       `:active`, `:peak`, `:cache` (bytes) and `:tensors`; metadata `:worker`
@@ -141,8 +144,9 @@ defmodule Moat do
 
   @doc """
   Uploads `binary` (Nx's layout: row-major, native little-endian) as a tensor
-  of `shape` and `type`. Returns at once; upload errors surface at the next
-  blocking call on the tensor.
+  of `shape` and `type`. Returns once the bytes are on their way (a large
+  binary that goes through shared memory is written before it returns);
+  upload errors surface at the next blocking call on the tensor.
 
   Options: `:worker` (default `Moat.Worker`).
   """
@@ -161,17 +165,19 @@ defmodule Moat do
 
     conn = Client.conn(Keyword.get(opts, :worker, Moat.Worker))
     id = Client.new_id()
+    ref = Client.ref(conn, id)
     Client.upload(conn, id, binary, dims, type)
-    Client.ref(conn, id)
+    ref
   end
 
   @doc "Evaluates the tensor and returns its bytes."
   @spec to_binary(Ref.t()) :: binary()
   def to_binary(%Ref{worker: worker} = ref) do
     :telemetry.span([:moat, :to_binary], %{worker: worker}, fn ->
-      {meta, data} = call!(ref, :to_binary)
+      {:ok, meta, data} = ok!(Client.to_binary(ref))
       shape = List.to_tuple(meta.shape)
-      {data, %{worker: worker, shape: shape, dtype: meta.dtype, byte_size: meta.bytes}}
+      transfer = Map.get(meta, :transfer, :pipe)
+      {data, %{worker: worker, shape: shape, dtype: meta.dtype, byte_size: meta.bytes, transfer: transfer}}
     end)
   end
 

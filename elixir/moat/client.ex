@@ -18,12 +18,18 @@ defmodule Moat.Client do
   Handles are made here (`ref/2`) so that each carries the token that frees
   its tensor once the VM has garbage-collected the handle (see `Moat`,
   "Memory").
+
+  Large tensors skip the pipe where the worker runs on this host and offers
+  shared memory (`upload/5`, `to_binary/2`; see `Moat.Worker`'s
+  `:shared_memory` option).
   """
 
-  alias Moat.{Error, Finalizer, Protocol, Ref}
+  require Logger
+
+  alias Moat.{Error, Finalizer, Protocol, Ref, Shared}
 
   @enforce_keys [:name, :port, :generation, :owner, :table, :counters, :releaser]
-  defstruct [:name, :port, :generation, :owner, :table, :counters, :releaser, :window, :chunk_bytes, :info]
+  defstruct [:name, :port, :generation, :owner, :table, :counters, :releaser, :window, :chunk_bytes, :info, :shared]
 
   @type t :: %__MODULE__{
           name: atom(),
@@ -35,7 +41,8 @@ defmodule Moat.Client do
           releaser: pid(),
           window: pos_integer(),
           chunk_bytes: pos_integer(),
-          info: map()
+          info: map(),
+          shared: Shared.t() | nil
         }
 
   # Handles whose ids the next frame of this process reads (see ids!/3).
@@ -89,9 +96,11 @@ defmodule Moat.Client do
   def new_id, do: :erlang.unique_integer([:positive, :monotonic])
 
   @doc """
-  A handle for `id` in this connection's generation. Call it once the frame
-  that defines `id` has been sent: from then on, the tensor is released when
-  the handle is garbage (or by `release/1`, or at the end of a `Moat.scope/1`).
+  A handle for `id` in this connection's generation. From now on, the tensor
+  is released when the handle is garbage (or by `release/1`, or at the end of
+  a `Moat.scope/1`). Make it before sending the frames that define `id`, so
+  that the worker drops what it received should this process die before it
+  sends them all (releasing an id the worker does not know is harmless).
   """
   @spec ref(t(), pos_integer()) :: Ref.t()
   def ref(%__MODULE__{name: name, generation: g, releaser: releaser} = conn, id) do
@@ -220,13 +229,63 @@ defmodule Moat.Client do
   end
 
   @doc """
-  Uploads a binary as tensor `id`, in frames of at most `chunk_bytes`.
+  Uploads a binary as tensor `id` (whose handle `ref/2` made first): through a
+  shared memory file when the connection has shared memory and the binary
+  has at least its threshold of bytes, otherwise in frames of at most
+  `chunk_bytes`. A refusal (the memory limit, say) poisons `id`: the next
+  blocking call on it raises it.
   """
   @spec upload(t(), pos_integer(), binary(), [non_neg_integer()], Nx.Type.t()) :: :ok
   def upload(conn, id, binary, shape, type) do
-    size = byte_size(binary)
+    attrs = %{bytes: byte_size(binary), dtype: type, shape: shape}
+
+    if shared?(conn, byte_size(binary)) and upload_shared(conn, id, binary, attrs) == :ok do
+      :ok
+    else
+      upload_piped(conn, id, binary, attrs)
+    end
+  rescue
+    # Errors name :from_binary, whichever way and in whichever frame the
+    # bytes travel.
+    e in Error ->
+      detail = String.replace_prefix(e.message, "#{e.op}: ", "")
+      reraise Error.new(e.reason, :from_binary, detail), __STACKTRACE__
+  end
+
+  defp shared?(%__MODULE__{shared: %{threshold: threshold}}, bytes), do: bytes > 0 and bytes >= threshold
+  defp shared?(_conn, _bytes), do: false
+
+  defp upload_shared(conn, id, binary, attrs) do
+    case request(conn, :upload_file, [id], [], attrs, :infinity) do
+      {:ok, location, _} ->
+        case Shared.write(location, binary) do
+          :ok ->
+            cast(conn, :from_file, [id], [], nil)
+
+          {:error, why} ->
+            # The file is gone (:enoent) when the worker just died, and the
+            # pipe will say so; anything else is not expected once the
+            # hello's probe passed. Either way the bytes go through the pipe
+            # once the worker has dropped its file.
+            if why != :enoent do
+              Logger.warning("Moat: cannot write the worker's shared file (#{inspect(why)}); using the pipe")
+            end
+
+            cast(conn, :release, [], [id], nil)
+            :pipe
+        end
+
+      {:error, %Error{reason: :op_failed}} ->
+        :ok
+
+      {:error, e} ->
+        raise e
+    end
+  end
+
+  defp upload_piped(conn, id, binary, attrs) do
+    size = attrs.bytes
     first = min(size, conn.chunk_bytes)
-    attrs = %{bytes: size, dtype: type, shape: shape}
     cast(conn, :from_binary, [id], [], attrs, binary_part(binary, 0, first))
     upload_rest(conn, id, binary, first, size)
   end
@@ -247,14 +306,78 @@ defmodule Moat.Client do
   """
   @spec call(t(), atom(), [pos_integer()], term(), timeout()) ::
           {:ok, term(), binary()} | {:error, Error.t()}
-  def call(conn, op, ins, attrs, timeout \\ :infinity) do
+  def call(conn, op, ins, attrs, timeout \\ :infinity), do: request(conn, op, [], ins, attrs, timeout)
+
+  @doc """
+  Evaluates a tensor and returns its bytes as `call/5` does, with the
+  reply's metadata. Where the connection has shared memory, a tensor of at
+  least its threshold of bytes is read straight from the worker's memory
+  (the metadata says `transfer: :shared_memory`), and the worker holds it
+  (as a pin, an id of its own) only until then.
+  """
+  @spec to_binary(Ref.t()) :: {:ok, map(), binary()} | {:error, Error.t()}
+  def to_binary(%Ref{worker: name} = ref) do
+    conn = conn(name)
+    [id] = ids!(conn, [ref], :to_binary)
+
+    case conn.shared do
+      nil -> call(conn, :to_binary, [id], nil)
+      shared -> to_binary_shared(conn, shared, ref, id)
+    end
+  end
+
+  defp to_binary_shared(%__MODULE__{releaser: releaser} = conn, shared, ref, id) do
+    pin = new_id()
+    # The pin goes like a tensor: released below, or by this process's
+    # garbage should it die before.
+    token = Finalizer.new(releaser, pin)
+
+    case request(conn, :to_binary, [pin], [id], %{pin: shared.threshold}, :infinity) do
+      {:ok, %{address: address, bytes: bytes} = meta, _} ->
+        read = Shared.read(shared, address, bytes)
+        if Finalizer.release(token), do: send(releaser, {:moat_release, pin})
+
+        case read do
+          {:ok, data} ->
+            {:ok, meta |> Map.delete(:address) |> Map.put(:transfer, :shared_memory), data}
+
+          {:error, why} ->
+            Logger.warning("Moat: cannot read the worker's memory (#{inspect(why)}); using the pipe")
+            # The handle, used again here, stays alive until this call is sent.
+            call(conn, :to_binary, ids!(conn, [ref], :to_binary), nil)
+        end
+
+      reply ->
+        Finalizer.release(token)
+        reply
+    end
+  end
+
+  defp request(conn, op, outs, ins, attrs, timeout) do
     seq = :atomics.add_get(conn.counters, @seq, 1)
     mref = :erlang.monitor(:process, conn.owner, alias: :demonitor)
-    :ets.insert(conn.table, {seq, mref})
-    :atomics.add(conn.counters, @sent, 1)
 
+    if register(conn, seq, mref) do
+      :atomics.add(conn.counters, @sent, 1)
+      send_request(conn, op, seq, mref, Protocol.request(seq, conn.generation, op, outs, ins, attrs), timeout)
+    else
+      # The owner died, and its table with it, since `conn` was read; the
+      # monitor says how.
+      receive do
+        {:DOWN, ^mref, :process, _, reason} -> {:error, Error.new(:worker_died, op, died(reason, conn))}
+      end
+    end
+  end
+
+  defp register(conn, seq, mref) do
+    :ets.insert(conn.table, {seq, mref})
+  rescue
+    ArgumentError -> false
+  end
+
+  defp send_request(conn, op, seq, mref, frame, timeout) do
     try do
-      command(conn, op, Protocol.request(seq, conn.generation, op, [], ins, attrs))
+      command(conn, op, frame)
       await(conn, op, seq, mref, [], timeout)
     rescue
       e in Error ->

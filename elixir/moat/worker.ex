@@ -28,6 +28,17 @@ defmodule Moat.Worker do
       `config :moat, :worker_log_level`, `:warning`)
     * `:window` - unacknowledged fire-and-forget frames allowed in flight (1024)
     * `:chunk_bytes`, `:max_frame_bytes` - frame limits (64 MiB, 320 MiB)
+    * `:shared_memory` - move large tensors through shared memory instead of
+      the port's pipe, where the worker offers it and this VM can read the
+      worker's memory: the same host, the same user, a kernel that allows
+      it (Linux; true by default). Uploads are written into a memory file
+      the worker maps as the tensor; readbacks are read from the worker's
+      memory. Each is one copy where the pipe makes two or three, and
+      faster from about 1 MiB up (bench/foundation.exs). `false`, or a
+      worker that does not pass the check, uses the pipe for everything.
+    * `:shared_memory_threshold` - the smallest tensor, in bytes, that goes
+      through shared memory (1 MiB); smaller ones are cheaper through the
+      pipe
     * `:hello_timeout` - how long to wait for the worker's handshake (15 s)
     * `:debug` - debug checks, off by default (default from `config :moat, :debug`):
       * `detect_non_finite: true` - every op evaluates its float results and
@@ -40,11 +51,15 @@ defmodule Moat.Worker do
       turns it off). See `Moat`, "Memory".
   """
 
+  # Below this, the pipe's single frame is faster than shared memory's extra
+  # file operations (bench/foundation.exs).
+  @shared_threshold 1024 * 1024
+
   use GenServer
   require Logger
   import Bitwise, only: [<<<: 2]
 
-  alias Moat.{Client, Finalizer, Protocol, Releaser}
+  alias Moat.{Client, Finalizer, Protocol, Releaser, Shared}
 
   @u64 1 <<< 64
 
@@ -90,7 +105,9 @@ defmodule Moat.Worker do
       "--max-frame-bytes",
       "#{setting.(:max_frame_bytes, 320 * 1024 * 1024)}",
       "--detect-non-finite",
-      "#{Keyword.get(setting.(:debug, []), :detect_non_finite, false) == true}"
+      "#{Keyword.get(setting.(:debug, []), :detect_non_finite, false) == true}",
+      "--shared-memory",
+      "#{setting.(:shared_memory, true) != false}"
     ]
 
     path = Keyword.get(opts, :worker_path) || worker_path()
@@ -118,7 +135,8 @@ defmodule Moat.Worker do
         releaser: releaser,
         window: setting.(:window, 1024),
         chunk_bytes: chunk,
-        info: info
+        info: info,
+        shared: Shared.negotiate(info, setting.(:shared_memory_threshold, @shared_threshold))
       }
 
       Releaser.attach(releaser, conn)

@@ -1,5 +1,7 @@
 // Arrays, buffers, evaluation, devices and errors.
+#include <cstddef>
 #include <cstring>
+#include <memory>
 
 #include "shim_core.hpp"
 
@@ -25,6 +27,36 @@ int from_dtype(mx::Dtype d) { return static_cast<int>(d.val()); }
 static mx::Device to_device(int device) {
   return device == MOAT_GPU ? mx::Device::gpu : mx::Device::cpu;
 }
+
+// MLX's CPU allocator tracks a buffer by a pointer to a size_t holding its
+// size; the data follows (Buffer::raw_ptr() skips the header). Read off a
+// real allocation: 0 when the allocator lays buffers out otherwise.
+static size_t buffer_header() {
+  static const size_t header = [] {
+    auto& a = mx::allocator::allocator();
+    auto b = a.malloc(24);
+    if (b.ptr() == nullptr) return size_t{0};
+    auto offset = static_cast<char*>(b.raw_ptr()) - static_cast<char*>(b.ptr());
+    bool sized = offset >= static_cast<ptrdiff_t>(sizeof(size_t)) && offset <= 64 && a.size(b) == 24 &&
+                 *static_cast<size_t*>(b.ptr()) == 24;
+    a.free(b);
+    return sized ? static_cast<size_t>(offset) : size_t{0};
+  }();
+  return header;
+}
+
+// Calls release(ctx) when it goes away (shared by the deleters that hold it).
+class Release {
+ public:
+  Release(void (*release)(void*), void* ctx) : release_(release), ctx_(ctx) {}
+  Release(const Release&) = delete;
+  Release& operator=(const Release&) = delete;
+  ~Release() { release_(ctx_); }
+
+ private:
+  void (*release_)(void*);
+  void* ctx_;
+};
 
 }  // namespace moat
 
@@ -63,6 +95,33 @@ int moat_array_from_buffer(moat_buffer* buf, const int32_t* shape, size_t ndim,
   std::unique_ptr<mx::allocator::Data> data(reinterpret_cast<mx::allocator::Data*>(buf));
   return produce(out, [&] {
     return mx::array(std::move(*data), to_shape(shape, ndim), to_dtype(dtype));
+  });
+}
+
+int moat_array_from_external(void* data, size_t nbytes, size_t room, const int32_t* shape, size_t ndim,
+                             int dtype, void (*release)(void*), void* ctx, moat_array** out) {
+  // Whatever happens below, release runs exactly once: when the array lets
+  // go of the memory, or when this function returns if no array took it.
+  std::shared_ptr<Release> owner;
+  int rc = guard([&] { owner = std::make_shared<Release>(release, ctx); });
+  if (rc != MOAT_OK) {
+    release(ctx);
+    return rc;
+  }
+  size_t header = 0;
+  rc = guard([&] { header = buffer_header(); });
+  if (rc != MOAT_OK) return rc;
+  if (header == 0 || header > room) {
+    // MLX copies the bytes into a buffer of its own.
+    return produce(out, [&] {
+      return mx::array(data, to_shape(shape, ndim), to_dtype(dtype), [owner](void*) {});
+    });
+  }
+  char* base = static_cast<char*>(data) - header;
+  *reinterpret_cast<size_t*>(base) = nbytes;
+  return produce(out, [&] {
+    mx::allocator::Data adopted(mx::allocator::Buffer{base}, [owner](mx::allocator::Buffer) {});
+    return mx::array(std::move(adopted), to_shape(shape, ndim), to_dtype(dtype));
   });
 }
 

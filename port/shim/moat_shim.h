@@ -39,6 +39,12 @@ int moat_buffer_alloc(size_t nbytes, moat_buffer** out, void** data);
 void moat_buffer_free(moat_buffer* buf);
 int moat_array_from_buffer(moat_buffer* buf, const int32_t* shape, size_t ndim,
                            int dtype, moat_array** out);
+// An array over memory the caller owns (nbytes at data, with `room` writable
+// bytes before it), without a copy where the allocator allows. release(ctx)
+// runs exactly once, when MLX no longer needs the memory, or before this
+// returns if it fails.
+int moat_array_from_external(void* data, size_t nbytes, size_t room, const int32_t* shape, size_t ndim,
+                             int dtype, void (*release)(void*), void* ctx, moat_array** out);
 
 // Array handles and metadata
 void moat_array_free(moat_array* a);

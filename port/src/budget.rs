@@ -4,7 +4,10 @@
 //! malloc fails, and MLX then crashes. So the worker checks every allocation
 //! it can see coming against its own limit, before it happens:
 //!
-//! * an upload, before its buffer is allocated (reader thread);
+//! * an upload, before its buffer is allocated (reader thread), and a
+//!   shared-memory upload before its file is made: its bytes live outside
+//!   MLX's allocator, so they are held here (`Held`) until MLX lets go of
+//!   them, and count as live buffers;
 //! * each op's outputs, when the op is built (session thread);
 //! * an evaluation (`evaluate`), before it runs: the output bytes of every
 //!   not-yet-evaluated node it would compute (`mlx::memory::pending`),
@@ -19,6 +22,7 @@
 //! is process-wide, like MLX's allocator.
 
 use crate::mlx::{self, memory, Array};
+use crate::shared;
 use std::fmt;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::OnceLock;
@@ -28,6 +32,11 @@ pub struct Budget {
     cache_limit: AtomicUsize,
     /// Bytes an evaluation in progress may still allocate.
     reserved: AtomicUsize,
+    /// Live bytes outside MLX's allocator (shared-memory uploads).
+    held: AtomicUsize,
+    /// The most live bytes when memory was held, since start or
+    /// `reset_peak` (MLX's own peak counts only its allocator).
+    peak: AtomicUsize,
 }
 
 /// A request that would take the worker past its memory limit.
@@ -59,13 +68,28 @@ impl Drop for Reservation {
     }
 }
 
+/// Live bytes outside MLX's allocator, counted until dropped.
+pub struct Held(usize);
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        budget().held.fetch_sub(self.0, Ordering::AcqRel);
+    }
+}
+
 /// The worker's budget. Its limit starts at MLX's default memory limit and
 /// its cache limit at MLX's default, which is the memory limit.
 pub fn budget() -> &'static Budget {
     static BUDGET: OnceLock<Budget> = OnceLock::new();
     BUDGET.get_or_init(|| {
         let limit = memory::limit();
-        Budget { limit: AtomicUsize::new(limit), cache_limit: AtomicUsize::new(limit), reserved: AtomicUsize::new(0) }
+        Budget {
+            limit: AtomicUsize::new(limit),
+            cache_limit: AtomicUsize::new(limit),
+            reserved: AtomicUsize::new(0),
+            held: AtomicUsize::new(0),
+            peak: AtomicUsize::new(0),
+        }
     })
 }
 
@@ -87,6 +111,7 @@ impl Budget {
 
     pub fn set_cache_limit(&self, bytes: usize) -> crate::mlx::Result<usize> {
         memory::set_cache_limit(bytes)?;
+        shared::limit_cached(bytes);
         Ok(self.cache_limit.swap(bytes, Ordering::AcqRel))
     }
 
@@ -95,22 +120,47 @@ impl Budget {
     /// the cache is cleared first.
     pub fn admit(&self, need: usize) -> Result<(), Exceeded> {
         let limit = self.limit();
-        let in_use = memory::active().saturating_add(self.reserved.load(Ordering::Acquire));
+        let in_use = self.live().saturating_add(self.reserved.load(Ordering::Acquire));
         let total = in_use.saturating_add(need);
         if total > limit {
             return Err(Exceeded { need, in_use, limit });
         }
-        if total.saturating_add(memory::cache()) > limit {
+        if total.saturating_add(cache()) > limit {
             // Freed buffers would otherwise keep the process above the limit.
-            let _ = memory::clear_cache();
+            clear_cache();
         }
         Ok(())
     }
 
     /// Bytes that still fit under the limit.
     pub fn room(&self) -> usize {
-        let in_use = memory::active().saturating_add(self.reserved.load(Ordering::Acquire));
+        let in_use = self.live().saturating_add(self.reserved.load(Ordering::Acquire));
         self.limit().saturating_sub(in_use)
+    }
+
+    /// Bytes in live buffers: MLX's and those held outside it.
+    pub fn live(&self) -> usize {
+        memory::active().saturating_add(self.held.load(Ordering::Acquire))
+    }
+
+    /// `admit`, then counts `need` bytes as live until the `Held` drops.
+    pub fn hold(&self, need: usize) -> Result<Held, Exceeded> {
+        self.admit(need)?;
+        self.held.fetch_add(need, Ordering::AcqRel);
+        self.peak.fetch_max(self.live(), Ordering::AcqRel);
+        Ok(Held(need))
+    }
+
+    /// The most live bytes reached by an allocation since start or
+    /// `reset_peak`: MLX's peak, or more with memory held outside it.
+    pub fn peak(&self) -> usize {
+        memory::peak().max(self.peak.load(Ordering::Acquire))
+    }
+
+    pub fn reset_peak(&self) -> crate::mlx::Result<()> {
+        memory::reset_peak()?;
+        self.peak.store(0, Ordering::Release);
+        Ok(())
     }
 
     /// `admit`, then holds `need` bytes until the reservation drops.
@@ -119,6 +169,17 @@ impl Budget {
         self.reserved.fetch_add(need, Ordering::AcqRel);
         Ok(Reservation(need))
     }
+}
+
+/// Freed memory kept for reuse: MLX's buffers and shared memory files.
+pub fn cache() -> usize {
+    memory::cache().saturating_add(shared::cached())
+}
+
+/// Returns the cached memory to the system.
+pub fn clear_cache() {
+    let _ = memory::clear_cache();
+    shared::clear_cached();
 }
 
 /// Why a request does not fit, or MLX's error while finding out.

@@ -2,13 +2,17 @@
 //!
 //! The reader turns frames into `Incoming` messages for the session thread;
 //! it reads upload payloads straight into MLX-allocated buffers, so tensor
-//! bytes are copied once, from the pipe into their final place. The writer
-//! owns the output pipe and splits large readbacks into `chunk_bytes` frames.
+//! bytes are copied once, from the pipe into their final place. It also
+//! serves shared-memory uploads (see `shared`): it makes the memory file and
+//! answers at once, without waiting for the session, and maps the file once
+//! the client has filled it. The writer owns the output pipe and splits
+//! large readbacks into `chunk_bytes` frames.
 
 use crate::budget::budget;
 use crate::frame::{write_frame, FrameReader, Head, Limits};
-use crate::mlx::{Buffer, Dtype, Evaluated};
+use crate::mlx::{Array, Buffer, Dtype, Evaluated};
 use crate::protocol::{self, Id, Malformed, Request};
+use crate::shared::{Mapped, Staged};
 use crate::term::Term;
 use crossbeam_channel::{Receiver, Sender};
 use std::collections::HashMap;
@@ -17,15 +21,26 @@ use std::io::{self, BufReader, BufWriter, Read, Write};
 pub enum Incoming {
     Request { req: Request, upload: Option<Upload> },
     Malformed(Malformed),
-    /// A frame the reader consumed itself (a middle chunk of an upload).
+    /// A frame the reader consumed itself (a middle chunk of an upload, or
+    /// a shared file it made and answered).
     Consumed,
 }
 
-/// The complete bytes of a `from_binary` tensor.
-pub struct Upload {
-    pub buffer: Buffer,
-    pub shape: Vec<i32>,
-    pub dtype: Dtype,
+/// The complete bytes of an uploaded tensor.
+pub enum Upload {
+    /// Read from the pipe into MLX's memory.
+    Piped { buffer: Buffer, shape: Vec<i32>, dtype: Dtype },
+    /// Written by the client into a shared file, mapped.
+    Shared(Mapped),
+}
+
+impl Upload {
+    pub fn into_array(self) -> crate::mlx::Result<Array> {
+        match self {
+            Upload::Piped { buffer, shape, dtype } => buffer.into_array(&shape, dtype),
+            Upload::Shared(mapped) => mapped.into_array(),
+        }
+    }
 }
 
 pub enum Outgoing {
@@ -35,20 +50,46 @@ pub enum Outgoing {
     Data { seq: u64, result: Term, data: Evaluated },
 }
 
+/// The op that failures of `upload_file` and `from_file` name: they are
+/// `from_binary` through shared memory, and a caller sees the same error
+/// whichever way the bytes travel.
+const UPLOAD: &str = "from_binary";
+
+/// What the reader needs besides its input.
+#[derive(Clone)]
+pub struct ReaderConfig {
+    pub limits: Limits,
+    pub generation: u64,
+    /// Whether shared-memory uploads are offered (see `shared::offer`).
+    pub shared_memory: bool,
+    /// Where the reader sends the replies it gives itself.
+    pub replies: Sender<Outgoing>,
+}
+
+/// A pipe upload whose chunks are still arriving.
 struct Pending {
     req: Request,
-    upload: Upload,
+    buffer: Buffer,
+    shape: Vec<i32>,
+    dtype: Dtype,
     filled: usize,
 }
 
+struct Reader<R> {
+    frames: FrameReader<R>,
+    config: ReaderConfig,
+    uploads: HashMap<Id, Pending>,
+    staged: HashMap<Id, Staged>,
+}
+
 /// Reads frames until end of input (`Ok`) or a broken stream (`Err`).
-pub fn read_loop(input: impl Read, limits: Limits, tx: Sender<Incoming>) -> io::Result<()> {
+pub fn read_loop(input: impl Read, config: ReaderConfig, tx: Sender<Incoming>) -> io::Result<()> {
     // Small frames arrive many per read; payloads larger than the buffer
     // bypass it and land straight in their MLX buffer.
-    let mut frames = FrameReader::new(BufReader::with_capacity(64 << 10, input), limits);
-    let mut uploads: HashMap<Id, Pending> = HashMap::new();
-    while let Some(head) = frames.next_head()? {
-        let msg = incoming(&mut frames, &mut uploads, head, limits)?;
+    let frames = FrameReader::new(BufReader::with_capacity(64 << 10, input), config.limits);
+    let mut reader = Reader { frames, config, uploads: HashMap::new(), staged: HashMap::new() };
+    while let Some(head) = reader.frames.next_head()? {
+        let msg = reader.incoming(head)?;
         if tx.send(msg).is_err() {
             break;
         }
@@ -56,125 +97,170 @@ pub fn read_loop(input: impl Read, limits: Limits, tx: Sender<Incoming>) -> io::
     Ok(())
 }
 
-fn incoming<R: Read>(
-    frames: &mut FrameReader<R>,
-    uploads: &mut HashMap<Id, Pending>,
-    head: Head,
-    limits: Limits,
-) -> io::Result<Incoming> {
-    let Head { header, payload_len, oversized } = head;
-    let parsed = header
-        .map_err(|e| Malformed { seq: 0, op: "protocol".into(), outs: vec![], message: e.to_string() })
-        .and_then(Request::parse);
-    let req = match parsed {
-        Ok(req) => req,
-        Err(m) => {
-            frames.skip_payload()?;
-            return Ok(Incoming::Malformed(m));
+impl<R: Read> Reader<R> {
+    fn incoming(&mut self, head: Head) -> io::Result<Incoming> {
+        let Head { header, payload_len, oversized } = head;
+        let parsed = header
+            .map_err(|e| Malformed { seq: 0, op: "protocol".into(), outs: vec![], message: e.to_string() })
+            .and_then(Request::parse);
+        let req = match parsed {
+            Ok(req) => req,
+            Err(m) => {
+                self.frames.skip_payload()?;
+                return Ok(Incoming::Malformed(m));
+            }
+        };
+        if oversized {
+            let limits = self.config.limits;
+            let message = format!(
+                "frame of more than {} bytes refused (send large tensors in chunks of at most {} bytes)",
+                limits.max_frame_bytes, limits.chunk_bytes
+            );
+            return self.refuse(req, "protocol", message);
         }
-    };
-    if oversized {
-        frames.skip_payload()?;
-        let message = format!(
-            "frame of more than {} bytes refused (send large tensors in chunks of at most {} bytes)",
-            limits.max_frame_bytes, limits.chunk_bytes
-        );
-        uploads.retain(|id, _| !req.outs.contains(id));
-        return Ok(refuse(req, "protocol", message));
-    }
-    match req.op.as_str() {
-        "from_binary" => start_upload(frames, uploads, req, payload_len),
-        "upload" => continue_upload(frames, uploads, req, payload_len),
-        _ => {
-            if payload_len > 0 {
-                frames.skip_payload()?;
+        match req.op.as_str() {
+            "from_binary" | "upload" if req.seq != 0 => {
+                let message = format!("{} is fire-and-forget: send it with seq 0", req.op);
+                let op = req.op.clone();
+                self.refuse(req, &op, message)
+            }
+            "from_binary" => self.start_upload(req, payload_len),
+            "upload" => self.continue_upload(req, payload_len),
+            _ if payload_len > 0 => {
                 let message = format!("{} takes no payload, got {payload_len} bytes", req.op);
                 let op = req.op.clone();
-                return Ok(refuse(req, &op, message));
+                self.refuse(req, &op, message)
             }
-            Ok(Incoming::Request { req, upload: None })
+            "upload_file" => self.stage(req),
+            "from_file" => self.map_file(req),
+            "release" => {
+                // Uploads that never completed go with their ids: their
+                // sender died between chunks, or before filling its file.
+                for id in &req.ins {
+                    self.uploads.remove(id);
+                    self.staged.remove(id);
+                }
+                Ok(Incoming::Request { req, upload: None })
+            }
+            _ => Ok(Incoming::Request { req, upload: None }),
         }
     }
-}
 
-fn refuse(req: Request, op: &str, message: String) -> Incoming {
-    Incoming::Malformed(Malformed { seq: req.seq, op: op.to_string(), outs: req.outs, message })
-}
-
-fn start_upload<R: Read>(
-    frames: &mut FrameReader<R>,
-    uploads: &mut HashMap<Id, Pending>,
-    req: Request,
-    payload_len: usize,
-) -> io::Result<Incoming> {
-    let (shape, dtype, total) = match upload_attrs(&req) {
-        Ok(v) => v,
-        Err(message) => {
-            frames.skip_payload()?;
-            return Ok(refuse(req, "from_binary", message));
+    /// Drops the frame's payload and any upload in progress for its ids; the
+    /// session poisons them and answers a call.
+    fn refuse(&mut self, req: Request, op: &str, message: String) -> io::Result<Incoming> {
+        self.frames.skip_payload()?;
+        for id in &req.outs {
+            self.uploads.remove(id);
+            self.staged.remove(id);
         }
-    };
-    if payload_len > total {
-        frames.skip_payload()?;
-        let message = format!("payload of {payload_len} bytes exceeds the tensor's {total} bytes");
-        return Ok(refuse(req, "from_binary", message));
+        Ok(Incoming::Malformed(Malformed { seq: req.seq, op: op.to_string(), outs: req.outs, message }))
     }
-    if let Err(e) = budget().admit(total) {
-        frames.skip_payload()?;
-        return Ok(refuse(req, "from_binary", format!("from_binary: {e}")));
-    }
-    let mut buffer = match Buffer::alloc(total) {
-        Ok(b) => b,
-        Err(e) => {
-            frames.skip_payload()?;
-            return Ok(refuse(req, "from_binary", e.message));
+
+    fn start_upload(&mut self, req: Request, payload_len: usize) -> io::Result<Incoming> {
+        let (shape, dtype, total) = match upload_attrs(&req) {
+            Ok(v) => v,
+            Err(message) => return self.refuse(req, "from_binary", message),
+        };
+        if payload_len > total {
+            let message = format!("payload of {payload_len} bytes exceeds the tensor's {total} bytes");
+            return self.refuse(req, "from_binary", message);
         }
-    };
-    frames.read_payload(&mut buffer.as_mut_slice()[..payload_len])?;
-    let pending = Pending { req, upload: Upload { buffer, shape, dtype }, filled: payload_len };
-    Ok(finish_or_park(uploads, pending))
-}
-
-fn continue_upload<R: Read>(
-    frames: &mut FrameReader<R>,
-    uploads: &mut HashMap<Id, Pending>,
-    req: Request,
-    payload_len: usize,
-) -> io::Result<Incoming> {
-    let id = req.outs.first().copied().unwrap_or(0);
-    let Some(mut pending) = uploads.remove(&id) else {
-        frames.skip_payload()?;
-        return Ok(refuse(req, "upload", format!("no upload in progress for tensor id {id}")));
-    };
-    let total = pending.upload.buffer.len();
-    let offset = req.attrs.as_int();
-    if offset != Some(pending.filled as i128) || payload_len > total - pending.filled {
-        frames.skip_payload()?;
-        let message = format!(
-            "chunk at offset {} with {payload_len} bytes does not continue tensor {id} ({} of {total} bytes received)",
-            req.attrs, pending.filled
-        );
-        return Ok(refuse(pending.req, "upload", message));
+        if let Err(e) = budget().admit(total) {
+            return self.refuse(req, "from_binary", format!("from_binary: {e}"));
+        }
+        let mut buffer = match Buffer::alloc(total) {
+            Ok(b) => b,
+            Err(e) => return self.refuse(req, "from_binary", e.message),
+        };
+        self.frames.read_payload(&mut buffer.as_mut_slice()[..payload_len])?;
+        Ok(self.finish_or_park(Pending { req, buffer, shape, dtype, filled: payload_len }))
     }
-    let filled = pending.filled;
-    frames.read_payload(&mut pending.upload.buffer.as_mut_slice()[filled..filled + payload_len])?;
-    pending.filled += payload_len;
-    Ok(finish_or_park(uploads, pending))
-}
 
-fn finish_or_park(uploads: &mut HashMap<Id, Pending>, pending: Pending) -> Incoming {
-    if pending.filled == pending.upload.buffer.len() {
-        return Incoming::Request { req: pending.req, upload: Some(pending.upload) };
+    fn continue_upload(&mut self, req: Request, payload_len: usize) -> io::Result<Incoming> {
+        let id = req.outs.first().copied().unwrap_or(0);
+        let Some(mut pending) = self.uploads.remove(&id) else {
+            return self.refuse(req, "upload", format!("no upload in progress for tensor id {id}"));
+        };
+        let total = pending.buffer.len();
+        let offset = req.attrs.as_int();
+        if offset != Some(pending.filled as i128) || payload_len > total - pending.filled {
+            let message = format!(
+                "chunk at offset {} with {payload_len} bytes does not continue tensor {id} ({} of {total} bytes received)",
+                req.attrs, pending.filled
+            );
+            return self.refuse(pending.req, "upload", message);
+        }
+        let filled = pending.filled;
+        self.frames.read_payload(&mut pending.buffer.as_mut_slice()[filled..filled + payload_len])?;
+        pending.filled += payload_len;
+        Ok(self.finish_or_park(pending))
     }
-    let id = pending.req.outs.first().copied().unwrap_or(0);
-    uploads.insert(id, pending);
-    Incoming::Consumed
+
+    fn finish_or_park(&mut self, pending: Pending) -> Incoming {
+        if pending.filled == pending.buffer.len() {
+            let Pending { req, buffer, shape, dtype, .. } = pending;
+            return Incoming::Request { req, upload: Some(Upload::Piped { buffer, shape, dtype }) };
+        }
+        let id = pending.req.outs.first().copied().unwrap_or(0);
+        self.uploads.insert(id, pending);
+        Incoming::Consumed
+    }
+
+    /// `:upload_file`: makes the memory file for a tensor and answers with
+    /// where it is.
+    fn stage(&mut self, req: Request) -> io::Result<Incoming> {
+        if !self.config.shared_memory {
+            return self.refuse(req, UPLOAD, "shared memory is off in this worker".into());
+        }
+        if req.seq == 0 {
+            return self.refuse(req, UPLOAD, "upload_file is a call: send it with a seq".into());
+        }
+        if req.generation != self.config.generation {
+            let message = format!(
+                "upload_file was sent to worker generation {} but this worker is generation {}",
+                req.generation, self.config.generation
+            );
+            return self.refuse(req, "stale_generation", message);
+        }
+        let (shape, dtype, total) = match upload_attrs(&req) {
+            Ok(v) => v,
+            Err(message) => return self.refuse(req, UPLOAD, message),
+        };
+        let id = req.outs[0];
+        if self.staged.contains_key(&id) || self.uploads.contains_key(&id) {
+            return self.refuse(req, UPLOAD, format!("tensor id {id} is already being uploaded"));
+        }
+        let staged = match Staged::new(shape, dtype, total).and_then(|s| s.location().map(|at| (s, at))) {
+            Ok(v) => v,
+            Err(message) => return self.refuse(req, UPLOAD, format!("from_binary: {message}")),
+        };
+        let (staged, location) = staged;
+        self.staged.insert(id, staged);
+        let _ = self.config.replies.send(Outgoing::Frame(protocol::ok(req.seq, location)));
+        Ok(Incoming::Consumed)
+    }
+
+    /// `:from_file`: the filled file becomes the tensor.
+    fn map_file(&mut self, req: Request) -> io::Result<Incoming> {
+        let id = match req.outs.as_slice() {
+            [id] if req.ins.is_empty() => *id,
+            _ => return self.refuse(req, UPLOAD, "from_file defines exactly one id and reads none".into()),
+        };
+        let Some(staged) = self.staged.remove(&id) else {
+            return self.refuse(req, UPLOAD, format!("no shared file for tensor id {id} (see upload_file)"));
+        };
+        match staged.map() {
+            Ok(mapped) => Ok(Incoming::Request { req, upload: Some(Upload::Shared(mapped)) }),
+            Err(message) => self.refuse(req, UPLOAD, message),
+        }
+    }
 }
 
 /// `%{shape: [..], dtype: type, bytes: total}`, checked against each other.
 fn upload_attrs(req: &Request) -> Result<(Vec<i32>, Dtype, usize), String> {
     if req.outs.len() != 1 || !req.ins.is_empty() {
-        return Err("from_binary defines exactly one id and reads none".into());
+        return Err(format!("{} defines exactly one id and reads none", req.op));
     }
     let a = &req.attrs;
     let dims = a.get("shape").and_then(Term::as_list).ok_or("missing attribute shape")?;

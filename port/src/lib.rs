@@ -2,8 +2,9 @@
 //! layers of protocol.md: `term` and `frame` (bytes), `protocol` (typed
 //! headers), `connection` (reader and writer threads), `session` (the MLX
 //! thread), `checks` (what every op's outputs must pass), `registry` (ids to
-//! arrays), `budget` (the memory limit), `ops` (the op table), `mlx` (the
-//! safe layer over the C++ shim) and `sys` (OS calls).
+//! arrays), `budget` (the memory limit), `shared` (same-host transfers
+//! through shared memory), `ops` (the op table), `mlx` (the safe layer over
+//! the C++ shim) and `sys` (OS calls).
 
 pub mod budget;
 pub mod checks;
@@ -18,5 +19,6 @@ pub mod registry;
 // Its request handlers are named after the protocol's ops (`from_binary`, `to_binary`).
 #[allow(clippy::wrong_self_convention)]
 pub mod session;
+pub mod shared;
 pub mod sys;
 pub mod term;

@@ -3,11 +3,12 @@
 
 use crossbeam_channel::bounded;
 use moat_port::checks::Checks;
-use moat_port::connection::{read_loop, write_loop, Outgoing};
+use moat_port::connection::{read_loop, write_loop, Outgoing, ReaderConfig};
 use moat_port::frame::Limits;
 use moat_port::mlx::{self, Device};
 use moat_port::protocol;
 use moat_port::session::Session;
+use moat_port::shared;
 use moat_port::sys;
 use moat_port::term::Term;
 use std::thread;
@@ -18,18 +19,25 @@ use std::thread;
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 const USAGE: &str = "usage: moat_port [--generation N] [--log-level error|warn|info|debug|trace] \
-                     [--chunk-bytes N] [--max-frame-bytes N] [--detect-non-finite true|false]";
+                     [--chunk-bytes N] [--max-frame-bytes N] [--detect-non-finite true|false] \
+                     [--shared-memory true|false]";
 
 struct Options {
     generation: u64,
     checks: Checks,
     log_level: log::LevelFilter,
     limits: Limits,
+    shared_memory: bool,
 }
 
 fn parse_args() -> Result<Options, String> {
-    let mut opts =
-        Options { generation: 1, checks: Checks::default(), log_level: log::LevelFilter::Warn, limits: Limits::default() };
+    let mut opts = Options {
+        generation: 1,
+        checks: Checks::default(),
+        log_level: log::LevelFilter::Warn,
+        limits: Limits::default(),
+        shared_memory: true,
+    };
     let mut args = std::env::args().skip(1);
     while let Some(flag) = args.next() {
         let value = args.next().ok_or_else(|| format!("{flag} needs a value"))?;
@@ -41,6 +49,9 @@ fn parse_args() -> Result<Options, String> {
             "--max-frame-bytes" => opts.limits.max_frame_bytes = number()? as usize,
             "--detect-non-finite" => {
                 opts.checks.detect_non_finite = value.parse().map_err(|_| format!("{flag}: not true or false: {value}"))?
+            }
+            "--shared-memory" => {
+                opts.shared_memory = value.parse().map_err(|_| format!("{flag}: not true or false: {value}"))?
             }
             _ => return Err(format!("unknown option {flag}")),
         }
@@ -81,14 +92,17 @@ fn main() {
         })
         .expect("spawn writer");
 
-    let _ = out_tx.send(Outgoing::Frame(hello(&opts)));
+    let offer = shared::offer(opts.shared_memory);
+    let shared_memory = !offer.is_atom("nil");
+    let _ = out_tx.send(Outgoing::Frame(hello(&opts, offer)));
 
     let (in_tx, in_rx) = bounded(256);
-    let limits = opts.limits;
+    let config =
+        ReaderConfig { limits: opts.limits, generation: opts.generation, shared_memory, replies: out_tx.clone() };
     thread::Builder::new()
         .name("reader".into())
         .spawn(move || {
-            match read_loop(input, limits, in_tx) {
+            match read_loop(input, config, in_tx) {
                 Ok(()) => log::info!("input closed; exiting"),
                 Err(e) => log::error!("input stream broken ({e}); exiting"),
             }
@@ -99,7 +113,7 @@ fn main() {
     if let Err(e) = Device::Cpu.make_default() {
         log::error!("cannot select the CPU device: {e}");
     }
-    Session::new(opts.generation, out_tx).with_checks(opts.checks).run(in_rx);
+    Session::new(opts.generation, out_tx).with_checks(opts.checks).with_shared_memory(shared_memory).run(in_rx);
 }
 
 /// A panic on any thread ends the worker at once with status 101. Unwinding
@@ -114,7 +128,7 @@ fn exit_on_panic() {
     }));
 }
 
-fn hello(opts: &Options) -> Term {
+fn hello(opts: &Options, shared_memory: Term) -> Term {
     let devices = [Device::Cpu, Device::Gpu].into_iter().filter(|d| d.available()).map(|d| Term::atom(d.name()));
     let blas = if cfg!(moat_openblas) { "openblas" } else { "reference" };
     protocol::hello(vec![
@@ -125,5 +139,6 @@ fn hello(opts: &Options) -> Term {
         ("max_frame_bytes", Term::int(opts.limits.max_frame_bytes as u64)),
         ("mlx", Term::Binary(mlx::version().into_bytes())),
         ("os_pid", Term::int(sys::os_pid())),
+        ("shared_memory", shared_memory),
     ])
 }

@@ -4,12 +4,13 @@
 use crate::budget::{self, budget, EvalError, Pressure};
 use crate::checks::Checks;
 use crate::connection::{Incoming, Outgoing, Upload};
-use crate::mlx::{self, memory, Array};
+use crate::mlx::{self, Array, Evaluated};
 use crate::ops;
 use crate::protocol::{self, Id, Malformed, Request};
 use crate::registry::{Failure, Registry};
 use crate::term::Term;
 use crossbeam_channel::{Receiver, Sender, TryRecvError};
+use std::collections::HashMap;
 use std::rc::Rc;
 
 mod memory_calls;
@@ -21,6 +22,10 @@ pub struct Session {
     generation: u64,
     checks: Checks,
     registry: Registry,
+    /// Readbacks the client reads from this process's memory (`to_binary`
+    /// with `pin`), held until it releases them.
+    pins: HashMap<Id, Evaluated>,
+    shared_memory: bool,
     out: Sender<Outgoing>,
     processed: u64,
     acked: u64,
@@ -33,6 +38,8 @@ impl Session {
             generation,
             checks: Checks::default(),
             registry: Registry::default(),
+            pins: HashMap::new(),
+            shared_memory: false,
             out,
             processed: 0,
             acked: 0,
@@ -43,6 +50,13 @@ impl Session {
     /// The checks applied to every op's outputs (see `checks`).
     pub fn with_checks(mut self, checks: Checks) -> Session {
         self.checks = checks;
+        self
+    }
+
+    /// Whether readbacks may be pinned for the client to read from this
+    /// process's memory (see `shared`).
+    pub fn with_shared_memory(mut self, on: bool) -> Session {
+        self.shared_memory = on;
         self
     }
 
@@ -61,7 +75,7 @@ impl Session {
                 Err(TryRecvError::Disconnected) => return,
             };
             self.handle(msg);
-            if let Some(active) = self.pressure.observe(memory::active()) {
+            if let Some(active) = self.pressure.observe(budget().live()) {
                 self.send(Outgoing::Frame(protocol::memory_pressure(active)));
             }
             self.processed += 1;
@@ -108,7 +122,7 @@ impl Session {
             );
             return self.fail(req.seq, &req.outs, Failure::new("stale_generation", message));
         }
-        if let Some(id) = req.outs.iter().find(|id| self.registry.contains(**id)) {
+        if let Some(id) = req.outs.iter().find(|id| self.registry.contains(**id) || self.pins.contains_key(*id)) {
             let failure = Failure::new(&req.op, format!("tensor id {id} is already defined"));
             return self.fail(req.seq, &req.outs, failure);
         }
@@ -118,7 +132,7 @@ impl Session {
                 Ok(()) => self.reply(req.seq, Term::atom("nil")),
                 Err(message) => self.fail(req.seq, &req.outs, Failure::new("fault", message)),
             },
-            "from_binary" => self.from_binary(&req, upload),
+            "from_binary" | "from_file" => self.define_upload(&req, upload),
             "to_binary" => self.to_binary(&req),
             "eval" => self.eval(&req),
             "async_eval" => self.async_eval(&req),
@@ -126,6 +140,7 @@ impl Session {
             "sync" => self.reply(req.seq, Term::atom("nil")),
             "release" => req.ins.iter().for_each(|id| {
                 self.registry.release(*id);
+                self.pins.remove(id);
             }),
             "memory_info" | "reset_peak_memory" | "clear_cache" | "set_memory_limit" | "set_cache_limit" => {
                 self.memory_call(&req)
@@ -185,11 +200,11 @@ impl Session {
         }
     }
 
-    fn from_binary(&mut self, req: &Request, upload: Option<Upload>) {
-        let Some(Upload { buffer, shape, dtype }) = upload else {
+    fn define_upload(&mut self, req: &Request, upload: Option<Upload>) {
+        let Some(upload) = upload else {
             return self.fail(req.seq, &req.outs, Failure::new("from_binary", "no tensor bytes arrived"));
         };
-        match buffer.into_array(&shape, dtype) {
+        match upload.into_array() {
             Ok(array) => {
                 self.registry.insert(req.outs[0], array);
                 self.reply(req.seq, Term::atom("nil"));
@@ -207,23 +222,49 @@ impl Session {
     }
 
     fn to_binary(&mut self, req: &Request) {
+        let pin = match self.pin_request(req) {
+            Ok(pin) => pin,
+            Err(failure) => return self.fail(req.seq, &[], failure),
+        };
         let result = self.single(req).and_then(|array| {
             eval_within_budget(&[array], &req.op)?;
             if !array.row_contiguous() {
                 // Reading back copies it into one dense block first.
                 budget().admit(array.nbytes()).map_err(|e| Failure::new(&req.op, e.to_string()))?;
             }
-            let evaluated = array.evaluate().map_err(|e| Failure::new(&req.op, e.message))?;
-            let info = metadata(evaluated.array(), Some(evaluated.bytes().len()));
-            Ok((info, evaluated))
+            array.evaluate().map_err(|e| Failure::new(&req.op, e.message))
         });
-        match result {
-            Ok((result, data)) if req.seq != 0 => {
-                let result = protocol::ok(req.seq, result);
-                self.send(Outgoing::Data { seq: req.seq, result, data });
+        match (result, pin) {
+            (Ok(_), _) if req.seq == 0 => {}
+            (Ok(data), Some((id, min))) if data.bytes().len() >= min.max(1) => {
+                let mut info = metadata_pairs(data.array(), Some(data.bytes().len()));
+                info.push(("address", Term::int(data.bytes().as_ptr() as u64)));
+                self.pins.insert(id, data);
+                self.reply(req.seq, protocol::map(info));
             }
-            Ok(_) => {}
-            Err(failure) => self.fail(req.seq, &[], failure),
+            (Ok(data), _) => {
+                let info = protocol::map(metadata_pairs(data.array(), Some(data.bytes().len())));
+                self.send(Outgoing::Data { seq: req.seq, result: protocol::ok(req.seq, info), data });
+            }
+            (Err(failure), _) => self.fail(req.seq, &[], failure),
+        }
+    }
+
+    /// `to_binary`'s `%{pin: min_bytes}` with `outs: [id]`: a readback of at
+    /// least `min_bytes` is pinned as `id` and answered with its address
+    /// instead of a payload. `None` when not asked, or not offered.
+    fn pin_request(&self, req: &Request) -> Result<Option<(Id, usize)>, Rc<Failure>> {
+        let min = match &req.attrs {
+            Term::Map(_) => req.attrs.get("pin").and_then(Term::as_int).and_then(|n| usize::try_from(n).ok()),
+            attrs if attrs.is_atom("nil") && req.outs.is_empty() => return Ok(None),
+            _ => None,
+        };
+        match (req.outs.as_slice(), min) {
+            ([id], Some(min)) => Ok(self.shared_memory.then_some((*id, min))),
+            _ => Err(Failure::new(
+                &req.op,
+                format!("to_binary takes attrs nil, or %{{pin: min_bytes}} with one out id; got {} with {} outs", req.attrs, req.outs.len()),
+            )),
         }
     }
 
@@ -270,9 +311,13 @@ fn eval_within_budget(arrays: &[&Array], op: &str) -> Result<(), Rc<Failure>> {
 }
 
 fn metadata(array: &Array, bytes: Option<usize>) -> Term {
+    protocol::map(metadata_pairs(array, bytes))
+}
+
+fn metadata_pairs(array: &Array, bytes: Option<usize>) -> Vec<(&'static str, Term)> {
     let mut pairs = vec![("dtype", array.dtype().to_term()), ("shape", protocol::shape_term(&array.shape()))];
     if let Some(n) = bytes {
         pairs.push(("bytes", Term::int(n as u64)));
     }
-    protocol::map(pairs)
+    pairs
 }

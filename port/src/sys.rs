@@ -1,9 +1,11 @@
 //! The few OS calls the worker needs: inherited pipes, parent-death signal,
 //! immediate exit. Like `mlx::ffi`, this is FFI; nothing else is `unsafe`.
 
+use std::ffi::CStr;
 use std::fs::File;
 use std::io;
-use std::os::fd::{FromRawFd, RawFd};
+use std::os::fd::{AsRawFd, FromRawFd, RawFd};
+use std::ptr;
 
 /// Takes ownership of a file descriptor the parent left open for us.
 pub fn inherited(fd: RawFd) -> io::Result<File> {
@@ -23,6 +25,117 @@ pub fn inherited(fd: RawFd) -> io::Result<File> {
 pub fn grow_pipe(fd: RawFd, bytes: i32) {
     // SAFETY: F_SETPIPE_SZ on a non-pipe fails with EBADF/EINVAL, nothing else.
     unsafe { libc::fcntl(fd, libc::F_SETPIPE_SZ, bytes) };
+}
+
+/// A file that lives in memory only (a memfd): it has no name in any
+/// directory, so it vanishes once the last descriptor and mapping of it are
+/// gone, at the latest when the worker exits, however it exits. Another
+/// process of the same user opens it as `/proc/<pid>/fd/<fd>`.
+pub fn memory_file(name: &CStr) -> io::Result<File> {
+    // SAFETY: `name` is NUL-terminated; on success the call returns a new
+    // descriptor that nothing else owns.
+    let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `fd` is open and ours alone.
+    Ok(unsafe { File::from_raw_fd(fd) })
+}
+
+/// Fixes a memory file's size for good: no one (the worker or another
+/// process holding it open) can shrink it, so a mapping of it never faults
+/// past its end (SIGBUS).
+pub fn seal_size(file: &File) -> io::Result<()> {
+    let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+    // SAFETY: F_ADD_SEALS takes an int; it fails on files that do not allow sealing.
+    if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// `len` bytes of a file, mapped shared and writable, preceded by at least
+/// `room` writable bytes of private memory (MLX's allocator keeps a header
+/// just before a buffer's data). Unmapped on drop.
+pub struct Mapping {
+    region: *mut u8,
+    total: usize,
+    data: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the mapping is plain memory owned by exactly one `Mapping`;
+// munmap may be called from any thread.
+unsafe impl Send for Mapping {}
+
+impl Mapping {
+    /// Maps the first `len` bytes of `file` (which must have at least that
+    /// many), with its pages in place already, so that no later access
+    /// faults them in. `len` must be positive.
+    pub fn of_file(file: &File, len: usize, room: usize) -> io::Result<Mapping> {
+        if len == 0 {
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, "nothing to map"));
+        }
+        let page = page_size();
+        let lead = room.div_ceil(page).max(1) * page;
+        let total = lead.checked_add(len).ok_or(io::ErrorKind::InvalidInput)?;
+        let rw = libc::PROT_READ | libc::PROT_WRITE;
+        // SAFETY: a fresh anonymous mapping at an address the kernel picks;
+        // no existing memory is affected.
+        let region = unsafe { libc::mmap(ptr::null_mut(), total, rw, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0) };
+        if region == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        let region = region as *mut u8;
+        // SAFETY: `lead < total`, so the address is inside the region.
+        let data = unsafe { region.add(lead) };
+        let flags = libc::MAP_SHARED | libc::MAP_FIXED | libc::MAP_POPULATE;
+        // SAFETY: MAP_FIXED replaces only pages of the region reserved above,
+        // which nothing else uses yet.
+        let mapped = unsafe { libc::mmap(data as *mut libc::c_void, len, rw, flags, file.as_raw_fd(), 0) };
+        if mapped == libc::MAP_FAILED {
+            let e = io::Error::last_os_error();
+            // SAFETY: unmaps exactly the region mapped above.
+            unsafe { libc::munmap(region as *mut libc::c_void, total) };
+            return Err(e);
+        }
+        Ok(Mapping { region, total, data, len })
+    }
+
+    /// The file's bytes.
+    pub fn data(&self) -> *mut u8 {
+        self.data
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Writable bytes right before `data()`.
+    pub fn room(&self) -> usize {
+        self.data as usize - self.region as usize
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: unmaps exactly the region this `Mapping` mapped and owns.
+        unsafe { libc::munmap(self.region as *mut libc::c_void, self.total) };
+    }
+}
+
+fn page_size() -> usize {
+    // SAFETY: sysconf takes a constant and touches no memory of ours.
+    let n = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    if n > 0 {
+        n as usize
+    } else {
+        4096
+    }
 }
 
 /// Dies with SIGKILL when the parent (the VM's child launcher) exits, even

@@ -17,7 +17,7 @@ mod common;
 use common::report;
 use common::*;
 use crossbeam_channel::unbounded;
-use moat_port::connection::{read_loop, Incoming};
+use moat_port::connection::{read_loop, Incoming, ReaderConfig};
 use moat_port::frame::{split_body, write_frame, FrameReader, Limits};
 use moat_port::protocol::{map, Request};
 use moat_port::term::{decode, encode, Term};
@@ -411,18 +411,18 @@ fn the_reader_turns_every_packet_into_exactly_one_message() {
         while rest.len() >= 4 {
             let n = u32::from_be_bytes(rest[..4].try_into().unwrap()) as usize;
             if let Ok((header, _)) = split_body(&rest[4..4 + n]) {
-                // Upload chunks are fire-and-forget by protocol; a chunk of a
-                // parked upload is consumed without a message of its own.
-                match Request::parse(header) {
-                    Ok(req) if req.op != "from_binary" && req.op != "upload" => calls.push(req.seq),
-                    _ => {}
+                // Upload chunks sent as calls are refused, and so answered.
+                if let Ok(req) = Request::parse(header) {
+                    calls.push(req.seq);
                 }
             }
             packets += 1;
             rest = &rest[4 + n..];
         }
         let (tx, rx) = unbounded();
-        read_loop(Cursor::new(input), limits, tx).expect("a well-framed stream never breaks the reader");
+        let (replies, _) = unbounded();
+        let config = ReaderConfig { limits, generation: 3, shared_memory: false, replies };
+        read_loop(Cursor::new(input), config, tx).expect("a well-framed stream never breaks the reader");
         let messages: Vec<Incoming> = rx.try_iter().collect();
         assert_eq!(messages.len(), packets, "one message per packet");
         // Every call that could be read is answered: it reaches the session

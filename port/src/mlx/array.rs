@@ -1,6 +1,7 @@
 //! Owned handles to MLX arrays and allocator buffers.
 
 use super::{check, ffi, Dtype, Error, Result};
+use crate::sys::Mapping;
 use std::os::raw::{c_int, c_void};
 use std::ptr;
 
@@ -43,6 +44,31 @@ impl Array {
         let src = unsafe { std::slice::from_raw_parts(values.as_ptr() as *const u8, bytes) };
         buffer.as_mut_slice().copy_from_slice(src);
         buffer.into_array(shape, T::DTYPE)
+    }
+
+    /// An array over the bytes of a mapping, without a copy where MLX's
+    /// allocator allows it (MLX copies them otherwise). The mapping, and
+    /// `keep` with it, is dropped once MLX no longer needs the memory: when
+    /// the array and every array sharing its buffer are gone.
+    pub fn over_mapping<K: Send + 'static>(mapping: Mapping, keep: K, shape: &[i32], dtype: Dtype) -> Result<Array> {
+        let (data, len, room) = (mapping.data(), mapping.len(), mapping.room());
+        let owner = Box::into_raw(Box::new((mapping, keep)));
+        // SAFETY: `data` points at `len` bytes with `room` writable bytes
+        // before them, alive until `release::<K>` drops `owner`; the shim
+        // calls it exactly once, whether or not it succeeds.
+        Array::from_call(|out| unsafe {
+            ffi::moat_array_from_external(
+                data.cast(),
+                len,
+                room,
+                shape.as_ptr(),
+                shape.len(),
+                dtype.code(),
+                release::<K>,
+                owner.cast(),
+                out,
+            )
+        })
     }
 
     /// A 0-d array.
@@ -95,6 +121,12 @@ impl Array {
         super::eval(&[&array])?;
         Ok(Evaluated { array })
     }
+}
+
+extern "C" fn release<K>(owner: *mut c_void) {
+    // SAFETY: `owner` is the box `Array::over_mapping` leaked for this `K`; the shim
+    // calls this once, so the box is freed once.
+    drop(unsafe { Box::from_raw(owner as *mut (Mapping, K)) });
 }
 
 /// An evaluated, row-contiguous array: its bytes are fixed.

@@ -32,6 +32,19 @@ extern "C" {
         out: *mut *mut moat_array,
     ) -> c_int;
 
+    #[allow(clippy::too_many_arguments)]
+    pub fn moat_array_from_external(
+        data: *mut c_void,
+        nbytes: usize,
+        room: usize,
+        shape: *const i32,
+        ndim: usize,
+        dtype: c_int,
+        release: extern "C" fn(*mut c_void),
+        ctx: *mut c_void,
+        out: *mut *mut moat_array,
+    ) -> c_int;
+
     pub fn moat_array_free(a: *mut moat_array);
     pub fn moat_array_clone(a: *const moat_array, out: *mut *mut moat_array) -> c_int;
     pub fn moat_array_ndim(a: *const moat_array) -> usize;

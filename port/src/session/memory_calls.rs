@@ -1,9 +1,10 @@
 //! The memory calls: statistics, limits and the cache (protocol.md §6).
 
 use super::Session;
-use crate::budget::budget;
+use crate::budget::{self, budget};
 use crate::mlx::memory;
 use crate::protocol::{self, Request};
+use crate::shared;
 use crate::registry::Failure;
 use crate::term::Term;
 
@@ -20,15 +21,18 @@ fn memory_result(req: &Request, tensors: usize) -> Result<Term, String> {
     let mlx_error = |e: crate::mlx::Error| e.message;
     match req.op.as_str() {
         "memory_info" => Ok(protocol::map(vec![
-            ("active", Term::int(memory::active() as u64)),
-            ("peak", Term::int(memory::peak() as u64)),
-            ("cache", Term::int(memory::cache() as u64)),
+            ("active", Term::int(budget().live() as u64)),
+            ("peak", Term::int(budget().peak() as u64)),
+            ("cache", Term::int(budget::cache() as u64)),
             ("limit", Term::int(budget().limit() as u64)),
             ("cache_limit", Term::int(budget().cache_limit() as u64)),
             ("tensors", Term::int(tensors as u64)),
         ])),
-        "reset_peak_memory" => memory::reset_peak().map(|()| Term::atom("nil")).map_err(mlx_error),
-        "clear_cache" => memory::clear_cache().map(|()| Term::atom("nil")).map_err(mlx_error),
+        "reset_peak_memory" => budget().reset_peak().map(|()| Term::atom("nil")).map_err(mlx_error),
+        "clear_cache" => memory::clear_cache().map(|()| {
+            shared::clear_cached();
+            Term::atom("nil")
+        }).map_err(mlx_error),
         "set_memory_limit" => {
             let previous = budget().set_limit(byte_count(req)?).map_err(mlx_error)?;
             Ok(Term::int(previous as u64))

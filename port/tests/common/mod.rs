@@ -18,6 +18,8 @@ pub struct Worker {
     to: std::fs::File,
     from: std::fs::File,
     pub generation: u64,
+    /// The worker's first frame.
+    pub hello: Term,
 }
 
 pub fn pipe() -> (OwnedFd, OwnedFd) {
@@ -53,9 +55,10 @@ impl Worker {
         ])
         .expect("fd mappings");
         let child = cmd.spawn().expect("spawn moat_port");
-        let mut w = Worker { child, to: req_w.into(), from: rep_r.into(), generation: 3 };
+        let mut w = Worker { child, to: req_w.into(), from: rep_r.into(), generation: 3, hello: Term::atom("nil") };
         let (hello, _) = w.recv();
         assert!(matches!(hello.as_tuple(), Some([h, _, _]) if h.is_atom("hello")), "first frame: {hello}");
+        w.hello = hello;
         w
     }
 

@@ -1,0 +1,216 @@
+//! Same-host transfers through shared memory (protocol.md §6, "Shared
+//! memory"). A large upload arrives in a memory file that the worker makes
+//! and the client fills; the worker maps the file and MLX adopts the mapping
+//! as the tensor's buffer. A large readback is pinned (see `session`) and the
+//! client reads it straight out of the worker's memory, through
+//! `/proc/<pid>/mem`. Either way the bytes are copied once, and nothing
+//! outlives the worker: memory files have no name, and a pin is memory of
+//! the worker's own.
+//!
+//! A memory file whose tensor is gone is kept for the next upload of the
+//! same size, as MLX keeps freed buffers: writing into pages that exist is
+//! much faster than into new ones (about twice, bench/foundation.exs). The kept
+//! files count as cache (`memory_info`'s `cache`), within the cache limit,
+//! and go with `clear_cache` or when a request fits only without the cache.
+
+use crate::budget::{budget, Held};
+use crate::mlx::{memory, Array, Dtype};
+use crate::protocol;
+use crate::sys::{self, Mapping};
+use crate::term::Term;
+use std::fs::File;
+use std::io::Read;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::MetadataExt;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Mutex, OnceLock};
+
+/// Memory files kept open at most (by live tensors and the cache), far
+/// below the usual descriptor limit; past it, files are closed once mapped
+/// and not reused.
+const MAX_KEPT: usize = 1024;
+
+/// A memory file waiting for the client to write a tensor's bytes into it.
+pub struct Staged {
+    file: Kept,
+    shape: Vec<i32>,
+    dtype: Dtype,
+    len: usize,
+    held: Held,
+}
+
+impl Staged {
+    /// A file of exactly `len` bytes, a cached one if there is one; they
+    /// count against the memory limit from now on, as the client is about to
+    /// fill them.
+    pub fn new(shape: Vec<i32>, dtype: Dtype, len: usize) -> Result<Staged, String> {
+        if len == 0 {
+            return Err("an empty tensor travels in its from_binary frame".into());
+        }
+        let cached = cache().take(len);
+        let held = budget().hold(len).map_err(|e| e.to_string())?;
+        let file = match cached {
+            Some(file) => file,
+            None => Kept::new(new_file(len)?),
+        };
+        Ok(Staged { file, shape, dtype, len, held })
+    }
+
+    /// `%{path: "/proc/<pid>/fd/<fd>", inode: n}`: where the client opens
+    /// the file, and the inode by which it checks that it opened this one.
+    pub fn location(&self) -> Result<Term, String> {
+        let inode = self.file.0.metadata().map_err(|e| format!("cannot stat a shared file: {e}"))?.ino();
+        let path = format!("/proc/{}/fd/{}", sys::os_pid(), self.file.0.as_raw_fd());
+        Ok(protocol::map(vec![("inode", Term::int(inode)), ("path", Term::Binary(path.into_bytes()))]))
+    }
+
+    /// Maps what the client wrote, pages in place. The file stays open, to
+    /// be cached once its tensor is gone (unless too many are open).
+    pub fn map(self) -> Result<Mapped, String> {
+        let mapping = Mapping::of_file(&self.file.0, self.len, 64)
+            .map_err(|e| format!("cannot map the shared file of {} bytes: {e}", self.len))?;
+        let file = (KEPT.load(Ordering::Acquire) <= MAX_KEPT).then_some(self.file);
+        let after = After { _held: self.held, file, len: self.len };
+        Ok(Mapped { mapping, shape: self.shape, dtype: self.dtype, after })
+    }
+}
+
+fn new_file(len: usize) -> Result<File, String> {
+    let file = sys::memory_file(c"moat-upload").map_err(|e| format!("cannot create a shared file: {e}"))?;
+    file.set_len(len as u64).map_err(|e| format!("cannot size a shared file to {len} bytes: {e}"))?;
+    sys::seal_size(&file).map_err(|e| format!("cannot seal a shared file: {e}"))?;
+    Ok(file)
+}
+
+/// A filled memory file, mapped, on its way to becoming a tensor.
+pub struct Mapped {
+    mapping: Mapping,
+    shape: Vec<i32>,
+    dtype: Dtype,
+    after: After,
+}
+
+impl Mapped {
+    /// The tensor over the mapping. The budget stays held until MLX lets go
+    /// of the memory; the file is cached then.
+    pub fn into_array(self) -> crate::mlx::Result<Array> {
+        Array::over_mapping(self.mapping, self.after, &self.shape, self.dtype)
+    }
+}
+
+/// What happens once MLX lets go of a mapped upload (after the unmapping):
+/// its bytes stop counting as live, and its file, if kept, is cached.
+struct After {
+    _held: Held,
+    file: Option<Kept>,
+    len: usize,
+}
+
+impl Drop for After {
+    fn drop(&mut self) {
+        if let Some(file) = self.file.take() {
+            cache().put(self.len, file);
+        }
+    }
+}
+
+/// An open memory file, counted against `MAX_KEPT`.
+struct Kept(File);
+
+static KEPT: AtomicUsize = AtomicUsize::new(0);
+
+impl Kept {
+    fn new(file: File) -> Kept {
+        KEPT.fetch_add(1, Ordering::AcqRel);
+        Kept(file)
+    }
+}
+
+impl Drop for Kept {
+    fn drop(&mut self) {
+        KEPT.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// Files whose tensors are gone, oldest first.
+#[derive(Default)]
+struct Cache {
+    files: Vec<(usize, Kept)>,
+    bytes: usize,
+}
+
+fn cache() -> std::sync::MutexGuard<'static, Cache> {
+    static CACHE: OnceLock<Mutex<Cache>> = OnceLock::new();
+    // A panic ends the process (main.rs), so the lock is never poisoned in use.
+    CACHE.get_or_init(Mutex::default).lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Cache {
+    fn take(&mut self, len: usize) -> Option<Kept> {
+        let i = self.files.iter().rposition(|(n, _)| *n == len)?;
+        self.bytes -= len;
+        Some(self.files.remove(i).1)
+    }
+
+    /// Keeps a file within the cache limit, which MLX's own cache shares.
+    fn put(&mut self, len: usize, file: Kept) {
+        let room = budget().cache_limit().saturating_sub(memory::cache());
+        if len > room {
+            return;
+        }
+        self.files.push((len, file));
+        self.bytes += len;
+        self.trim(room);
+    }
+
+    fn trim(&mut self, to: usize) {
+        while self.bytes > to {
+            let (len, _) = self.files.remove(0);
+            self.bytes -= len;
+        }
+    }
+}
+
+/// Bytes of cached memory files.
+pub fn cached() -> usize {
+    cache().bytes
+}
+
+/// Closes every cached memory file, returning its memory to the system.
+pub fn clear_cached() {
+    cache().trim(0);
+}
+
+/// Trims the cached memory files to a new cache limit.
+pub fn limit_cached(limit: usize) {
+    cache().trim(limit);
+}
+
+/// 16 random bytes at a fixed address in this process. The client reads
+/// them through `/proc/<pid>/mem` at startup, to learn that it may read this
+/// worker's memory, and before each readback, to check that the process it
+/// opened is this worker. `None` if no random bytes could be read.
+pub fn probe() -> Option<&'static [u8; 16]> {
+    static PROBE: OnceLock<Option<[u8; 16]>> = OnceLock::new();
+    PROBE
+        .get_or_init(|| {
+            let mut nonce = [0u8; 16];
+            File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut nonce)).ok().map(|()| nonce)
+        })
+        .as_ref()
+}
+
+/// The hello's `shared_memory` entry: `%{address: int, nonce: binary}` when
+/// shared memory is offered, `nil` otherwise. It is offered where memory
+/// files can be made.
+pub fn offer(enabled: bool) -> Term {
+    let usable = enabled && sys::memory_file(c"moat-check").is_ok();
+    match probe() {
+        Some(nonce) if usable => protocol::map(vec![
+            ("address", Term::int(nonce.as_ptr() as u64)),
+            ("nonce", Term::Binary(nonce.to_vec())),
+        ]),
+        _ => Term::atom("nil"),
+    }
+}
+

@@ -17,6 +17,13 @@ small_bin = Nx.tensor([1.5, 1.5, 1.5, 1.5], backend: Nx.BinaryBackend)
 conn = Moat.Client.conn()
 for _ <- 1..200, do: small_moat |> Nx.add(small_moat) |> Nx.to_binary()
 
+# The floor: a port that only echoes (cat copies {packet, 4} frames as they are).
+cat = Port.open({:spawn_executable, System.find_executable("cat")}, [:binary, {:packet, 4}])
+echo = fn -> Port.command(cat, "a small frame"); receive do: ({^cat, {:data, _}} -> :ok) end
+for _ <- 1..200, do: echo.()
+echoes = samples(5000, echo)
+Port.close(cat)
+
 sync = samples(5000, fn -> {:ok, _, _} = Moat.Client.call(conn, :sync, [], nil) end)
 moat_rt = samples(5000, fn -> small_moat |> Nx.add(small_moat) |> Nx.to_binary() end)
 bin_rt = samples(5000, fn -> small_bin |> Nx.add(small_bin) |> Nx.to_binary() end)
@@ -24,6 +31,7 @@ bin_rt = samples(5000, fn -> small_bin |> Nx.add(small_bin) |> Nx.to_binary() en
 IO.puts("### Round trip (µs)\n")
 row(["", "median", "p99"])
 row(["---", "---:", "---:"])
+row(["bare port echo (`cat`): the floor on this machine", fmt(median(echoes)), fmt(percentile(echoes, 99))])
 row(["protocol round trip (`:sync` call)", fmt(median(sync)), fmt(percentile(sync, 99))])
 row(["Nx.add of f32[4] + Nx.to_binary, Moat", fmt(median(moat_rt)), fmt(percentile(moat_rt, 99))])
 row(["the same on Nx.BinaryBackend", fmt(median(bin_rt)), fmt(percentile(bin_rt, 99))])

@@ -117,8 +117,12 @@ defmodule Mix.Tasks.Compile.MoatFinalizer do
 
       failure ->
         why = if failure, do: elem(failure, 0), else: "no C compiler found (set CC)"
-        Mix.shell().info("moat: the finalizer NIF was not built; tensors are released only " <>
-          "explicitly, by Moat.scope/1 or by a worker restart:\n" <> why)
+
+        Mix.shell().info(
+          "moat: the finalizer NIF was not built; tensors are released only " <>
+            "explicitly, by Moat.scope/1 or by a worker restart:\n" <> why
+        )
+
         {:ok, []}
     end
   end

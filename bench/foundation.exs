@@ -19,7 +19,12 @@ for _ <- 1..200, do: small_moat |> Nx.add(small_moat) |> Nx.to_binary()
 
 # The floor: a port that only echoes (cat copies {packet, 4} frames as they are).
 cat = Port.open({:spawn_executable, System.find_executable("cat")}, [:binary, {:packet, 4}])
-echo = fn -> Port.command(cat, "a small frame"); receive do: ({^cat, {:data, _}} -> :ok) end
+
+echo = fn ->
+  Port.command(cat, "a small frame")
+  receive do: ({^cat, {:data, _}} -> :ok)
+end
+
 for _ <- 1..200, do: echo.()
 echoes = samples(5000, echo)
 Port.close(cat)
@@ -63,7 +68,9 @@ end
 
 nx_runs = for _ <- 1..3, do: chain.(&Nx.add(&1, small_moat), small_moat, &Nx.to_binary/1)
 raw_runs = for _ <- 1..3, do: chain.(raw_add, one, &Moat.to_binary/1)
-bin_ops = for _ <- 1..3, do: time_us(fn -> Enum.reduce(1..n_ops, small_bin, fn _, acc -> Nx.add(acc, small_bin) end) end)
+
+bin_ops =
+  for _ <- 1..3, do: time_us(fn -> Enum.reduce(1..n_ops, small_bin, fn _, acc -> Nx.add(acc, small_bin) end) end)
 
 dispatch = fn runs -> n_ops / (median(Enum.map(runs, &elem(&1, 0))) / 1_000_000) end
 eval_us = fn runs -> median(Enum.map(runs, &elem(&1, 1))) / n_ops end

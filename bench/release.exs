@@ -148,7 +148,6 @@ rows =
         receive do: ({:DOWN, ^mref, _, _, {:gc, us}} -> us)
       end
 
-
     sweep =
       for _ <- 1..5 do
         {_, mref} =
@@ -170,7 +169,9 @@ IO.puts("3. live tensors   a collection freeing that many   one sweep of that ma
 IO.puts("                  finalizer tokens (paid once)     binary tokens (paid per sweep)")
 
 for {n, gc, sweep} <- rows do
-  IO.puts("   #{String.pad_leading(Integer.to_string(n), 7)}        #{String.pad_leading(Bench.ms(gc), 10)}                   #{Bench.ms(sweep)}")
+  IO.puts(
+    "   #{String.pad_leading(Integer.to_string(n), 7)}        #{String.pad_leading(Bench.ms(gc), 10)}                   #{Bench.ms(sweep)}"
+  )
 end
 
 # 4. Memory pressure in a loop of 4 MiB temporaries.
@@ -179,7 +180,10 @@ parent = self()
 x = Nx.from_binary(:binary.copy(f32.(1.0), 1024 * 1024), :f32, backend: Moat.Backend)
 Moat.reset_peak_memory()
 {us, _} = :timer.tc(fn -> for _ <- 1..500, do: x |> Nx.multiply(x) |> Nx.sum() |> Nx.to_number() end)
-pressures = Stream.repeatedly(fn -> receive(do: (:pressure -> 1), after: (0 -> nil)) end) |> Enum.take_while(& &1) |> length()
+
+pressures =
+  Stream.repeatedly(fn -> receive(do: (:pressure -> 1), after: (0 -> nil)) end) |> Enum.take_while(& &1) |> length()
+
 %{peak: peak} = Moat.memory_info()
 
 IO.puts("""

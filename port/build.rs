@@ -59,7 +59,10 @@ fn link_blas() {
     if env::var("MOAT_BLAS").as_deref() == Ok("bundled") {
         return;
     }
-    let candidates = ["/usr/lib/x86_64-linux-gnu/libopenblas.so.0", "/usr/lib/aarch64-linux-gnu/libopenblas.so.0"];
+    let candidates = [
+        "/usr/lib/x86_64-linux-gnu/libopenblas.so.0",
+        "/usr/lib/aarch64-linux-gnu/libopenblas.so.0",
+    ];
     match candidates.iter().find(|p| Path::new(p).exists()) {
         Some(path) => {
             println!("cargo:rustc-link-arg=-Wl,--no-as-needed");
@@ -90,8 +93,13 @@ fn find_mlx() -> Option<PathBuf> {
 
 fn pip_mlx() -> Option<PathBuf> {
     let out = Command::new("python3")
-        .args(["-c", "import importlib.util as u; s = u.find_spec('mlx'); print(next(iter(s.submodule_search_locations)))"])
+        .args([
+            "-c",
+            "import importlib.util as u; s = u.find_spec('mlx'); print(next(iter(s.submodule_search_locations)))",
+        ])
         .output()
         .ok()?;
-    out.status.success().then(|| PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()))
+    out.status
+        .success()
+        .then(|| PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()))
 }

@@ -141,6 +141,7 @@ defmodule Moat.Worker do
 
       Releaser.attach(releaser, conn)
       Client.publish(conn)
+
       :telemetry.execute([:moat, :worker, :up], %{system_time: System.system_time()}, %{
         worker: name,
         generation: generation,
@@ -182,8 +183,7 @@ defmodule Moat.Worker do
             Port.close(port)
 
             {:stop,
-             {:protocol_mismatch,
-              "the worker speaks protocol version #{version}, this client #{Protocol.version()}"}}
+             {:protocol_mismatch, "the worker speaks protocol version #{version}, this client #{Protocol.version()}"}}
 
           other ->
             Port.close(port)
@@ -308,8 +308,11 @@ defmodule Moat.Worker do
   # would wait forever.
   defp fail_undecodable(frame, why, state) do
     case Protocol.peek_seq(frame) do
-      {:ok, seq} when seq > 0 -> reply(state, seq, {:error, :protocol, "the worker's reply could not be decoded: #{why}"})
-      _ -> state
+      {:ok, seq} when seq > 0 ->
+        reply(state, seq, {:error, :protocol, "the worker's reply could not be decoded: #{why}"})
+
+      _ ->
+        state
     end
   end
 

@@ -200,8 +200,12 @@ impl fmt::Display for EvalError {
 
 /// Checks that the results of a newly built op fit.
 pub fn admit_results(arrays: &[Array]) -> Result<(), EvalError> {
-    let need = arrays.iter().try_fold(0usize, |sum, a| a.result_bytes().map(|b| sum.saturating_add(b)));
-    budget().admit(need.map_err(EvalError::Mlx)?).map_err(EvalError::Exceeded)
+    let need = arrays
+        .iter()
+        .try_fold(0usize, |sum, a| a.result_bytes().map(|b| sum.saturating_add(b)));
+    budget()
+        .admit(need.map_err(EvalError::Mlx)?)
+        .map_err(EvalError::Exceeded)
 }
 
 /// Checks that evaluating `arrays` at once fits (for `async_eval`, which
@@ -321,7 +325,14 @@ mod tests {
 
     #[test]
     fn the_message_names_need_use_and_limit() {
-        let e = Exceeded { need: 8 << 20, in_use: 1 << 20, limit: 4 << 20 };
-        assert_eq!(e.to_string(), "memory limit exceeded: needs 8.0 MiB, 1.0 MiB in use, limit 4.0 MiB (Moat.set_memory_limit/1)");
+        let e = Exceeded {
+            need: 8 << 20,
+            in_use: 1 << 20,
+            limit: 4 << 20,
+        };
+        assert_eq!(
+            e.to_string(),
+            "memory limit exceeded: needs 8.0 MiB, 1.0 MiB in use, limit 4.0 MiB (Moat.set_memory_limit/1)"
+        );
     }
 }

@@ -19,7 +19,10 @@ use std::collections::HashMap;
 use std::io::{self, BufReader, BufWriter, Read, Write};
 
 pub enum Incoming {
-    Request { req: Request, upload: Option<Upload> },
+    Request {
+        req: Request,
+        upload: Option<Upload>,
+    },
     Malformed(Malformed),
     /// A frame the reader consumed itself (a middle chunk of an upload, or
     /// a shared file it made and answered).
@@ -29,7 +32,11 @@ pub enum Incoming {
 /// The complete bytes of an uploaded tensor.
 pub enum Upload {
     /// Read from the pipe into MLX's memory.
-    Piped { buffer: Buffer, shape: Vec<i32>, dtype: Dtype },
+    Piped {
+        buffer: Buffer,
+        shape: Vec<i32>,
+        dtype: Dtype,
+    },
     /// Written by the client into a shared file, mapped.
     Shared(Mapped),
 }
@@ -47,7 +54,11 @@ pub enum Outgoing {
     Frame(Term),
     /// `{:ok, seq, result}` with the evaluated array's bytes as payload,
     /// preceded by `{:more, seq}` frames when they exceed one chunk.
-    Data { seq: u64, result: Term, data: Evaluated },
+    Data {
+        seq: u64,
+        result: Term,
+        data: Evaluated,
+    },
 }
 
 /// The op that failures of `upload_file` and `from_file` name: they are
@@ -87,7 +98,12 @@ pub fn read_loop(input: impl Read, config: ReaderConfig, tx: Sender<Incoming>) -
     // Small frames arrive many per read; payloads larger than the buffer
     // bypass it and land straight in their MLX buffer.
     let frames = FrameReader::new(BufReader::with_capacity(64 << 10, input), config.limits);
-    let mut reader = Reader { frames, config, uploads: HashMap::new(), staged: HashMap::new() };
+    let mut reader = Reader {
+        frames,
+        config,
+        uploads: HashMap::new(),
+        staged: HashMap::new(),
+    };
     while let Some(head) = reader.frames.next_head()? {
         let msg = reader.incoming(head)?;
         if tx.send(msg).is_err() {
@@ -99,9 +115,18 @@ pub fn read_loop(input: impl Read, config: ReaderConfig, tx: Sender<Incoming>) -
 
 impl<R: Read> Reader<R> {
     fn incoming(&mut self, head: Head) -> io::Result<Incoming> {
-        let Head { header, payload_len, oversized } = head;
+        let Head {
+            header,
+            payload_len,
+            oversized,
+        } = head;
         let parsed = header
-            .map_err(|e| Malformed { seq: 0, op: "protocol".into(), outs: vec![], message: e.to_string() })
+            .map_err(|e| Malformed {
+                seq: 0,
+                op: "protocol".into(),
+                outs: vec![],
+                message: e.to_string(),
+            })
             .and_then(Request::parse);
         let req = match parsed {
             Ok(req) => req,
@@ -154,7 +179,12 @@ impl<R: Read> Reader<R> {
             self.uploads.remove(id);
             self.staged.remove(id);
         }
-        Ok(Incoming::Malformed(Malformed { seq: req.seq, op: op.to_string(), outs: req.outs, message }))
+        Ok(Incoming::Malformed(Malformed {
+            seq: req.seq,
+            op: op.to_string(),
+            outs: req.outs,
+            message,
+        }))
     }
 
     fn start_upload(&mut self, req: Request, payload_len: usize) -> io::Result<Incoming> {
@@ -174,7 +204,13 @@ impl<R: Read> Reader<R> {
             Err(e) => return self.refuse(req, "from_binary", e.message),
         };
         self.frames.read_payload(&mut buffer.as_mut_slice()[..payload_len])?;
-        Ok(self.finish_or_park(Pending { req, buffer, shape, dtype, filled: payload_len }))
+        Ok(self.finish_or_park(Pending {
+            req,
+            buffer,
+            shape,
+            dtype,
+            filled: payload_len,
+        }))
     }
 
     fn continue_upload(&mut self, req: Request, payload_len: usize) -> io::Result<Incoming> {
@@ -192,15 +228,25 @@ impl<R: Read> Reader<R> {
             return self.refuse(pending.req, "upload", message);
         }
         let filled = pending.filled;
-        self.frames.read_payload(&mut pending.buffer.as_mut_slice()[filled..filled + payload_len])?;
+        self.frames
+            .read_payload(&mut pending.buffer.as_mut_slice()[filled..filled + payload_len])?;
         pending.filled += payload_len;
         Ok(self.finish_or_park(pending))
     }
 
     fn finish_or_park(&mut self, pending: Pending) -> Incoming {
         if pending.filled == pending.buffer.len() {
-            let Pending { req, buffer, shape, dtype, .. } = pending;
-            return Incoming::Request { req, upload: Some(Upload::Piped { buffer, shape, dtype }) };
+            let Pending {
+                req,
+                buffer,
+                shape,
+                dtype,
+                ..
+            } = pending;
+            return Incoming::Request {
+                req,
+                upload: Some(Upload::Piped { buffer, shape, dtype }),
+            };
         }
         let id = pending.req.outs.first().copied().unwrap_or(0);
         self.uploads.insert(id, pending);
@@ -237,7 +283,10 @@ impl<R: Read> Reader<R> {
         };
         let (staged, location) = staged;
         self.staged.insert(id, staged);
-        let _ = self.config.replies.send(Outgoing::Frame(protocol::ok(req.seq, location)));
+        let _ = self
+            .config
+            .replies
+            .send(Outgoing::Frame(protocol::ok(req.seq, location)));
         Ok(Incoming::Consumed)
     }
 
@@ -248,10 +297,17 @@ impl<R: Read> Reader<R> {
             _ => return self.refuse(req, UPLOAD, "from_file defines exactly one id and reads none".into()),
         };
         let Some(staged) = self.staged.remove(&id) else {
-            return self.refuse(req, UPLOAD, format!("no shared file for tensor id {id} (see upload_file)"));
+            return self.refuse(
+                req,
+                UPLOAD,
+                format!("no shared file for tensor id {id} (see upload_file)"),
+            );
         };
         match staged.map() {
-            Ok(mapped) => Ok(Incoming::Request { req, upload: Some(Upload::Shared(mapped)) }),
+            Ok(mapped) => Ok(Incoming::Request {
+                req,
+                upload: Some(Upload::Shared(mapped)),
+            }),
             Err(message) => self.refuse(req, UPLOAD, message),
         }
     }
@@ -263,13 +319,24 @@ fn upload_attrs(req: &Request) -> Result<(Vec<i32>, Dtype, usize), String> {
         return Err(format!("{} defines exactly one id and reads none", req.op));
     }
     let a = &req.attrs;
-    let dims = a.get("shape").and_then(Term::as_list).ok_or("missing attribute shape")?;
+    let dims = a
+        .get("shape")
+        .and_then(Term::as_list)
+        .ok_or("missing attribute shape")?;
     let shape: Vec<i32> = dims
         .iter()
         .map(|d| d.as_int().and_then(|d| i32::try_from(d).ok()).filter(|d| *d >= 0))
         .collect::<Option<_>>()
-        .ok_or_else(|| format!("shape dimensions must be integers in 0..2^31, got {}", Term::List(dims.to_vec())))?;
-    let dtype = a.get("dtype").and_then(Dtype::from_term).ok_or("missing or unsupported dtype")?;
+        .ok_or_else(|| {
+            format!(
+                "shape dimensions must be integers in 0..2^31, got {}",
+                Term::List(dims.to_vec())
+            )
+        })?;
+    let dtype = a
+        .get("dtype")
+        .and_then(Dtype::from_term)
+        .ok_or("missing or unsupported dtype")?;
     let total = a.get("bytes").and_then(Term::as_int).ok_or("missing attribute bytes")?;
     let expected = shape
         .iter()

@@ -35,7 +35,10 @@ enum Fault {
 /// still alive afterwards (a sleep, or an armed fault).
 pub fn inject(attrs: &Term) -> Result<(), String> {
     let fault = parse(attrs)?;
-    match attrs.get("delay_ms").map(|t| t.as_int().and_then(|ms| u64::try_from(ms).ok())) {
+    match attrs
+        .get("delay_ms")
+        .map(|t| t.as_int().and_then(|ms| u64::try_from(ms).ok()))
+    {
         None => fire(fault),
         Some(Some(ms)) => std::thread::Builder::new()
             .name("fault".into())
@@ -50,7 +53,12 @@ pub fn inject(attrs: &Term) -> Result<(), String> {
 }
 
 fn parse(attrs: &Term) -> Result<Fault, String> {
-    let number = |key: &str| attrs.get(key).and_then(Term::as_int).ok_or(format!("this fault needs an integer {key}"));
+    let number = |key: &str| {
+        attrs
+            .get(key)
+            .and_then(Term::as_int)
+            .ok_or(format!("this fault needs an integer {key}"))
+    };
     match attrs.get("kind").and_then(Term::as_atom) {
         Some("sigsegv") => Ok(Fault::Segv),
         Some("sigfpe") => Ok(Fault::Fpe),

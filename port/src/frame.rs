@@ -17,7 +17,11 @@ pub struct Limits {
 
 impl Default for Limits {
     fn default() -> Self {
-        Limits { max_header_bytes: 1 << 20, max_frame_bytes: 320 << 20, chunk_bytes: 64 << 20 }
+        Limits {
+            max_header_bytes: 1 << 20,
+            max_frame_bytes: 320 << 20,
+            chunk_bytes: 64 << 20,
+        }
     }
 }
 
@@ -41,7 +45,11 @@ pub struct FrameReader<R> {
 
 impl<R: Read> FrameReader<R> {
     pub fn new(inner: R, limits: Limits) -> Self {
-        FrameReader { inner, limits, pending: 0 }
+        FrameReader {
+            inner,
+            limits,
+            pending: 0,
+        }
     }
 
     /// Reads the next frame's header. `Ok(None)` is a clean end of input.
@@ -57,7 +65,11 @@ impl<R: Read> FrameReader<R> {
         let oversized = packet_len > self.limits.max_frame_bytes;
         if packet_len < 4 {
             self.discard(packet_len)?;
-            return Ok(Some(Head { header: Err(bad("packet shorter than its header length")), payload_len: 0, oversized }));
+            return Ok(Some(Head {
+                header: Err(bad("packet shorter than its header length")),
+                payload_len: 0,
+                oversized,
+            }));
         }
         let mut hlen = [0u8; 4];
         self.inner.read_exact(&mut hlen)?;
@@ -66,18 +78,29 @@ impl<R: Read> FrameReader<R> {
         if header_len > rest || header_len > self.limits.max_header_bytes {
             self.discard(rest)?;
             let why = format!("header length {header_len} exceeds the packet ({rest} bytes) or the header limit");
-            return Ok(Some(Head { header: Err(bad(&why)), payload_len: 0, oversized }));
+            return Ok(Some(Head {
+                header: Err(bad(&why)),
+                payload_len: 0,
+                oversized,
+            }));
         }
         let mut header = vec![0u8; header_len];
         self.inner.read_exact(&mut header)?;
         self.pending = rest - header_len;
-        Ok(Some(Head { header: term::decode(&header), payload_len: self.pending, oversized }))
+        Ok(Some(Head {
+            header: term::decode(&header),
+            payload_len: self.pending,
+            oversized,
+        }))
     }
 
     /// Reads the next `dst.len()` payload bytes of the current frame.
     pub fn read_payload(&mut self, dst: &mut [u8]) -> io::Result<()> {
         if dst.len() > self.pending {
-            return Err(io::Error::new(io::ErrorKind::InvalidInput, "read past the frame's payload"));
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "read past the frame's payload",
+            ));
         }
         self.inner.read_exact(dst)?;
         self.pending -= dst.len();
@@ -121,8 +144,8 @@ fn read_exact_or_eof(r: &mut impl Read, buf: &mut [u8]) -> io::Result<bool> {
 pub fn write_frame(w: &mut impl Write, header: &Term, payload: &[u8]) -> io::Result<()> {
     let header = term::encode(header);
     let packet_len = 4 + header.len() + payload.len();
-    let packet_len = u32::try_from(packet_len)
-        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "frame of 4 GiB or more"))?;
+    let packet_len =
+        u32::try_from(packet_len).map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "frame of 4 GiB or more"))?;
     w.write_all(&packet_len.to_be_bytes())?;
     w.write_all(&(header.len() as u32).to_be_bytes())?;
     w.write_all(&header)?;
@@ -167,7 +190,10 @@ mod tests {
 
     #[test]
     fn oversized_frames_are_flagged_and_skipped() {
-        let limits = Limits { max_frame_bytes: 64, ..Limits::default() };
+        let limits = Limits {
+            max_frame_bytes: 64,
+            ..Limits::default()
+        };
         let mut bytes = packet(&Term::atom("big"), &[7u8; 100]);
         bytes.extend(packet(&Term::atom("next"), b""));
         let mut r = FrameReader::new(&bytes[..], limits);

@@ -41,17 +41,25 @@ fn parse_args() -> Result<Options, String> {
     let mut args = std::env::args().skip(1);
     while let Some(flag) = args.next() {
         let value = args.next().ok_or_else(|| format!("{flag} needs a value"))?;
-        let number = || value.parse::<u64>().map_err(|_| format!("{flag}: not a number: {value}"));
+        let number = || {
+            value
+                .parse::<u64>()
+                .map_err(|_| format!("{flag}: not a number: {value}"))
+        };
         match flag.as_str() {
             "--generation" => opts.generation = number()?,
             "--log-level" => opts.log_level = value.parse().map_err(|_| format!("bad log level {value}"))?,
             "--chunk-bytes" => opts.limits.chunk_bytes = number()?.max(1) as usize,
             "--max-frame-bytes" => opts.limits.max_frame_bytes = number()? as usize,
             "--detect-non-finite" => {
-                opts.checks.detect_non_finite = value.parse().map_err(|_| format!("{flag}: not true or false: {value}"))?
+                opts.checks.detect_non_finite = value
+                    .parse()
+                    .map_err(|_| format!("{flag}: not true or false: {value}"))?
             }
             "--shared-memory" => {
-                opts.shared_memory = value.parse().map_err(|_| format!("{flag}: not true or false: {value}"))?
+                opts.shared_memory = value
+                    .parse()
+                    .map_err(|_| format!("{flag}: not true or false: {value}"))?
             }
             _ => return Err(format!("unknown option {flag}")),
         }
@@ -64,7 +72,10 @@ fn main() {
         eprintln!("moat_port: {e}\n{USAGE}");
         std::process::exit(2);
     });
-    env_logger::Builder::new().filter_level(opts.log_level).target(env_logger::Target::Stderr).init();
+    env_logger::Builder::new()
+        .filter_level(opts.log_level)
+        .target(env_logger::Target::Stderr)
+        .init();
     exit_on_panic();
     sys::hold_input_open(3);
     sys::die_with_parent();
@@ -97,8 +108,12 @@ fn main() {
     let _ = out_tx.send(Outgoing::Frame(hello(&opts, offer)));
 
     let (in_tx, in_rx) = bounded(256);
-    let config =
-        ReaderConfig { limits: opts.limits, generation: opts.generation, shared_memory, replies: out_tx.clone() };
+    let config = ReaderConfig {
+        limits: opts.limits,
+        generation: opts.generation,
+        shared_memory,
+        replies: out_tx.clone(),
+    };
     thread::Builder::new()
         .name("reader".into())
         .spawn(move || {
@@ -113,7 +128,10 @@ fn main() {
     if let Err(e) = Device::Cpu.make_default() {
         log::error!("cannot select the CPU device: {e}");
     }
-    Session::new(opts.generation, out_tx).with_checks(opts.checks).with_shared_memory(shared_memory).run(in_rx);
+    Session::new(opts.generation, out_tx)
+        .with_checks(opts.checks)
+        .with_shared_memory(shared_memory)
+        .run(in_rx);
 }
 
 /// A panic on any thread ends the worker at once with status 101. Unwinding
@@ -129,7 +147,10 @@ fn exit_on_panic() {
 }
 
 fn hello(opts: &Options, shared_memory: Term) -> Term {
-    let devices = [Device::Cpu, Device::Gpu].into_iter().filter(|d| d.available()).map(|d| Term::atom(d.name()));
+    let devices = [Device::Cpu, Device::Gpu]
+        .into_iter()
+        .filter(|d| d.available())
+        .map(|d| Term::atom(d.name()));
     let blas = if cfg!(moat_openblas) { "openblas" } else { "reference" };
     protocol::hello(vec![
         ("blas", Term::atom(blas)),

@@ -31,18 +31,32 @@ impl Request {
     pub fn parse(header: Term) -> Result<Request, Malformed> {
         let items = match header {
             Term::Tuple(items) => items,
-            other => return Err(malformed(0, "protocol", vec![], format!("request must be a tuple, got {other}"))),
+            other => {
+                return Err(malformed(
+                    0,
+                    "protocol",
+                    vec![],
+                    format!("request must be a tuple, got {other}"),
+                ))
+            }
         };
         let seq = items.first().and_then(as_u64).unwrap_or(0);
         let op = items.get(2).and_then(Term::as_atom).unwrap_or("protocol").to_string();
         let outs = items.get(3).and_then(|t| ids(t).ok()).unwrap_or_default();
         if items.len() != 6 {
-            let message = format!("request must be {{seq, generation, op, outs, ins, attrs}}, got a {}-tuple", items.len());
+            let message = format!(
+                "request must be {{seq, generation, op, outs, ins, attrs}}, got a {}-tuple",
+                items.len()
+            );
             return Err(malformed(seq, &op, outs, message));
         }
         let fail = |message: String| Err(malformed(seq, &op, outs.clone(), message));
-        let Some(seq) = as_u64(&items[0]) else { return fail(format!("seq must be a non-negative integer, got {}", items[0])) };
-        let Some(generation) = as_u64(&items[1]) else { return fail(format!("bad generation {}", items[1])) };
+        let Some(seq) = as_u64(&items[0]) else {
+            return fail(format!("seq must be a non-negative integer, got {}", items[0]));
+        };
+        let Some(generation) = as_u64(&items[1]) else {
+            return fail(format!("bad generation {}", items[1]));
+        };
         if items[2].as_atom().is_none() {
             return fail(format!("op must be an atom, got {}", items[2]));
         }
@@ -55,12 +69,24 @@ impl Request {
             Err(m) => return fail(format!("ins: {m}")),
         };
         let attrs = items.into_iter().nth(5).expect("6 items");
-        Ok(Request { seq, generation, op, outs, ins, attrs })
+        Ok(Request {
+            seq,
+            generation,
+            op,
+            outs,
+            ins,
+            attrs,
+        })
     }
 }
 
 fn malformed(seq: u64, op: &str, outs: Vec<Id>, message: String) -> Malformed {
-    Malformed { seq, op: op.to_string(), outs, message }
+    Malformed {
+        seq,
+        op: op.to_string(),
+        outs,
+        message,
+    }
 }
 
 fn as_u64(t: &Term) -> Option<u64> {
@@ -70,7 +96,11 @@ fn as_u64(t: &Term) -> Option<u64> {
 fn ids(t: &Term) -> Result<Vec<Id>, String> {
     let list = t.as_list().ok_or_else(|| format!("expected a list of ids, got {t}"))?;
     list.iter()
-        .map(|x| as_u64(x).filter(|id| *id > 0).ok_or_else(|| format!("bad tensor id {x}")))
+        .map(|x| {
+            as_u64(x)
+                .filter(|id| *id > 0)
+                .ok_or_else(|| format!("bad tensor id {x}"))
+        })
         .collect()
 }
 
@@ -133,10 +163,22 @@ mod tests {
 
     #[test]
     fn malformed_requests_keep_what_can_be_read() {
-        let t = Term::tuple(vec![Term::int(4), Term::int(1), Term::atom("add"), Term::List(vec![Term::int(9)])]);
+        let t = Term::tuple(vec![
+            Term::int(4),
+            Term::int(1),
+            Term::atom("add"),
+            Term::List(vec![Term::int(9)]),
+        ]);
         let m = Request::parse(t).unwrap_err();
         assert_eq!((m.seq, m.op.as_str(), m.outs), (4, "add", vec![9]));
-        let t = Term::tuple(vec![Term::int(4), Term::int(1), Term::atom("add"), Term::nil(), Term::List(vec![Term::int(0)]), Term::nil()]);
+        let t = Term::tuple(vec![
+            Term::int(4),
+            Term::int(1),
+            Term::atom("add"),
+            Term::nil(),
+            Term::List(vec![Term::int(0)]),
+            Term::nil(),
+        ]);
         assert!(Request::parse(t).unwrap_err().message.contains("bad tensor id 0"));
     }
 }

@@ -15,7 +15,10 @@ pub struct Failure {
 
 impl Failure {
     pub fn new(op: &str, message: impl Into<String>) -> Rc<Failure> {
-        Rc::new(Failure { op: op.to_string(), message: message.into() })
+        Rc::new(Failure {
+            op: op.to_string(),
+            message: message.into(),
+        })
     }
 }
 
@@ -48,7 +51,10 @@ impl Registry {
         match self.slots.get(&id) {
             Some(Slot::Ready(a)) => Ok(a),
             Some(Slot::Poisoned(f)) => Err(f.clone()),
-            None => Err(Failure::new(op, format!("unknown tensor id {id} (never defined, or released)"))),
+            None => Err(Failure::new(
+                op,
+                format!("unknown tensor id {id} (never defined, or released)"),
+            )),
         }
     }
 

@@ -122,7 +122,11 @@ impl Session {
             );
             return self.fail(req.seq, &req.outs, Failure::new("stale_generation", message));
         }
-        if let Some(id) = req.outs.iter().find(|id| self.registry.contains(**id) || self.pins.contains_key(*id)) {
+        if let Some(id) = req
+            .outs
+            .iter()
+            .find(|id| self.registry.contains(**id) || self.pins.contains_key(*id))
+        {
             let failure = Failure::new(&req.op, format!("tensor id {id} is already defined"));
             return self.fail(req.seq, &req.outs, failure);
         }
@@ -193,7 +197,12 @@ impl Session {
                 self.reply(req.seq, Term::atom("nil"));
             }
             Ok(arrays) => {
-                let message = format!("{} defines {} tensors, the request named {}", req.op, arrays.len(), req.outs.len());
+                let message = format!(
+                    "{} defines {} tensors, the request named {}",
+                    req.op,
+                    arrays.len(),
+                    req.outs.len()
+                );
                 self.fail(req.seq, &req.outs, Failure::new(&req.op, message));
             }
             Err(failure) => self.fail(req.seq, &req.outs, failure),
@@ -202,7 +211,11 @@ impl Session {
 
     fn define_upload(&mut self, req: &Request, upload: Option<Upload>) {
         let Some(upload) = upload else {
-            return self.fail(req.seq, &req.outs, Failure::new("from_binary", "no tensor bytes arrived"));
+            return self.fail(
+                req.seq,
+                &req.outs,
+                Failure::new("from_binary", "no tensor bytes arrived"),
+            );
         };
         match upload.into_array() {
             Ok(array) => {
@@ -217,7 +230,10 @@ impl Session {
     fn single(&self, req: &Request) -> Result<&Array, Rc<Failure>> {
         match req.ins.as_slice() {
             [id] => self.registry.get(*id, &req.op),
-            ids => Err(Failure::new(&req.op, format!("{} takes one tensor id, got {}", req.op, ids.len()))),
+            ids => Err(Failure::new(
+                &req.op,
+                format!("{} takes one tensor id, got {}", req.op, ids.len()),
+            )),
         }
     }
 
@@ -230,7 +246,9 @@ impl Session {
             eval_within_budget(&[array], &req.op)?;
             if !array.row_contiguous() {
                 // Reading back copies it into one dense block first.
-                budget().admit(array.nbytes()).map_err(|e| Failure::new(&req.op, e.to_string()))?;
+                budget()
+                    .admit(array.nbytes())
+                    .map_err(|e| Failure::new(&req.op, e.to_string()))?;
             }
             array.evaluate().map_err(|e| Failure::new(&req.op, e.message))
         });
@@ -244,7 +262,11 @@ impl Session {
             }
             (Ok(data), _) => {
                 let info = protocol::map(metadata_pairs(data.array(), Some(data.bytes().len())));
-                self.send(Outgoing::Data { seq: req.seq, result: protocol::ok(req.seq, info), data });
+                self.send(Outgoing::Data {
+                    seq: req.seq,
+                    result: protocol::ok(req.seq, info),
+                    data,
+                });
             }
             (Err(failure), _) => self.fail(req.seq, &[], failure),
         }
@@ -255,7 +277,11 @@ impl Session {
     /// instead of a payload. `None` when not asked, or not offered.
     fn pin_request(&self, req: &Request) -> Result<Option<(Id, usize)>, Rc<Failure>> {
         let min = match &req.attrs {
-            Term::Map(_) => req.attrs.get("pin").and_then(Term::as_int).and_then(|n| usize::try_from(n).ok()),
+            Term::Map(_) => req
+                .attrs
+                .get("pin")
+                .and_then(Term::as_int)
+                .and_then(|n| usize::try_from(n).ok()),
             attrs if attrs.is_atom("nil") && req.outs.is_empty() => return Ok(None),
             _ => None,
         };
@@ -263,7 +289,11 @@ impl Session {
             ([id], Some(min)) => Ok(self.shared_memory.then_some((*id, min))),
             _ => Err(Failure::new(
                 &req.op,
-                format!("to_binary takes attrs nil, or %{{pin: min_bytes}} with one out id; got {} with {} outs", req.attrs, req.outs.len()),
+                format!(
+                    "to_binary takes attrs nil, or %{{pin: min_bytes}} with one out id; got {} with {} outs",
+                    req.attrs,
+                    req.outs.len()
+                ),
             )),
         }
     }
@@ -315,7 +345,10 @@ fn metadata(array: &Array, bytes: Option<usize>) -> Term {
 }
 
 fn metadata_pairs(array: &Array, bytes: Option<usize>) -> Vec<(&'static str, Term)> {
-    let mut pairs = vec![("dtype", array.dtype().to_term()), ("shape", protocol::shape_term(&array.shape()))];
+    let mut pairs = vec![
+        ("dtype", array.dtype().to_term()),
+        ("shape", protocol::shape_term(&array.shape())),
+    ];
     if let Some(n) = bytes {
         pairs.push(("bytes", Term::int(n as u64)));
     }

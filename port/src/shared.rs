@@ -53,15 +53,29 @@ impl Staged {
             Some(file) => file,
             None => Kept::new(new_file(len)?),
         };
-        Ok(Staged { file, shape, dtype, len, held })
+        Ok(Staged {
+            file,
+            shape,
+            dtype,
+            len,
+            held,
+        })
     }
 
     /// `%{path: "/proc/<pid>/fd/<fd>", inode: n}`: where the client opens
     /// the file, and the inode by which it checks that it opened this one.
     pub fn location(&self) -> Result<Term, String> {
-        let inode = self.file.0.metadata().map_err(|e| format!("cannot stat a shared file: {e}"))?.ino();
+        let inode = self
+            .file
+            .0
+            .metadata()
+            .map_err(|e| format!("cannot stat a shared file: {e}"))?
+            .ino();
         let path = format!("/proc/{}/fd/{}", sys::os_pid(), self.file.0.as_raw_fd());
-        Ok(protocol::map(vec![("inode", Term::int(inode)), ("path", Term::Binary(path.into_bytes()))]))
+        Ok(protocol::map(vec![
+            ("inode", Term::int(inode)),
+            ("path", Term::Binary(path.into_bytes())),
+        ]))
     }
 
     /// Maps what the client wrote, pages in place. The file stays open, to
@@ -70,14 +84,24 @@ impl Staged {
         let mapping = Mapping::of_file(&self.file.0, self.len, 64)
             .map_err(|e| format!("cannot map the shared file of {} bytes: {e}", self.len))?;
         let file = (KEPT.load(Ordering::Acquire) <= MAX_KEPT).then_some(self.file);
-        let after = After { _held: self.held, file, len: self.len };
-        Ok(Mapped { mapping, shape: self.shape, dtype: self.dtype, after })
+        let after = After {
+            _held: self.held,
+            file,
+            len: self.len,
+        };
+        Ok(Mapped {
+            mapping,
+            shape: self.shape,
+            dtype: self.dtype,
+            after,
+        })
     }
 }
 
 fn new_file(len: usize) -> Result<File, String> {
     let file = sys::memory_file(c"moat-upload").map_err(|e| format!("cannot create a shared file: {e}"))?;
-    file.set_len(len as u64).map_err(|e| format!("cannot size a shared file to {len} bytes: {e}"))?;
+    file.set_len(len as u64)
+        .map_err(|e| format!("cannot size a shared file to {len} bytes: {e}"))?;
     sys::seal_size(&file).map_err(|e| format!("cannot seal a shared file: {e}"))?;
     Ok(file)
 }
@@ -142,7 +166,10 @@ struct Cache {
 fn cache() -> std::sync::MutexGuard<'static, Cache> {
     static CACHE: OnceLock<Mutex<Cache>> = OnceLock::new();
     // A panic ends the process (main.rs), so the lock is never poisoned in use.
-    CACHE.get_or_init(Mutex::default).lock().unwrap_or_else(|e| e.into_inner())
+    CACHE
+        .get_or_init(Mutex::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
 }
 
 impl Cache {
@@ -195,7 +222,10 @@ pub fn probe() -> Option<&'static [u8; 16]> {
     PROBE
         .get_or_init(|| {
             let mut nonce = [0u8; 16];
-            File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut nonce)).ok().map(|()| nonce)
+            File::open("/dev/urandom")
+                .and_then(|mut f| f.read_exact(&mut nonce))
+                .ok()
+                .map(|()| nonce)
         })
         .as_ref()
 }
@@ -213,4 +243,3 @@ pub fn offer(enabled: bool) -> Term {
         _ => Term::atom("nil"),
     }
 }
-

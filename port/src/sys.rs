@@ -82,7 +82,16 @@ impl Mapping {
         let rw = libc::PROT_READ | libc::PROT_WRITE;
         // SAFETY: a fresh anonymous mapping at an address the kernel picks;
         // no existing memory is affected.
-        let region = unsafe { libc::mmap(ptr::null_mut(), total, rw, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0) };
+        let region = unsafe {
+            libc::mmap(
+                ptr::null_mut(),
+                total,
+                rw,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
         if region == libc::MAP_FAILED {
             return Err(io::Error::last_os_error());
         }
@@ -99,7 +108,12 @@ impl Mapping {
             unsafe { libc::munmap(region as *mut libc::c_void, total) };
             return Err(e);
         }
-        Ok(Mapping { region, total, data, len })
+        Ok(Mapping {
+            region,
+            total,
+            data,
+            len,
+        })
     }
 
     /// The file's bytes.
@@ -163,7 +177,10 @@ pub fn hold_input_open(fd: RawFd) {
     // async-signal-safe calls (see `holder`) and never returns.
     match unsafe { libc::fork() } {
         0 => holder(fd),
-        -1 => log::warn!("cannot fork the input holder ({}): exit causes may be lost", io::Error::last_os_error()),
+        -1 => log::warn!(
+            "cannot fork the input holder ({}): exit causes may be lost",
+            io::Error::last_os_error()
+        ),
         _ => {}
     }
 }
@@ -177,7 +194,12 @@ fn holder(fd: RawFd) -> ! {
         // end of file tells the VM that the worker is gone.
         let max = libc::c_uint::MAX;
         if fd > 0 {
-            libc::syscall(libc::SYS_close_range, 0 as libc::c_uint, (fd - 1) as libc::c_uint, 0 as libc::c_uint);
+            libc::syscall(
+                libc::SYS_close_range,
+                0 as libc::c_uint,
+                (fd - 1) as libc::c_uint,
+                0 as libc::c_uint,
+            );
         }
         if libc::syscall(libc::SYS_close_range, (fd + 1) as libc::c_uint, max, 0 as libc::c_uint) != 0 {
             for other in (0..1024).filter(|other| *other != fd) {
@@ -186,7 +208,11 @@ fn holder(fd: RawFd) -> ! {
         }
         // No events asked for: poll returns only on hang-up or error, that
         // is once no writer is left.
-        let mut pfd = libc::pollfd { fd, events: 0, revents: 0 };
+        let mut pfd = libc::pollfd {
+            fd,
+            events: 0,
+            revents: 0,
+        };
         while libc::poll(&mut pfd, 1, -1) < 1 {}
         libc::_exit(0)
     }

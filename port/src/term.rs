@@ -209,7 +209,10 @@ impl<'a> Reader<'a> {
     /// left is a lie; checking it first bounds every allocation.
     fn count(&mut self, n: usize, min_bytes_each: usize) -> Result<usize, DecodeError> {
         if n.saturating_mul(min_bytes_each) > self.bytes.len() - self.pos {
-            return err(format!("length {n} exceeds the remaining {} bytes", self.bytes.len() - self.pos));
+            return err(format!(
+                "length {n} exceeds the remaining {} bytes",
+                self.bytes.len() - self.pos
+            ));
         }
         Ok(n)
     }
@@ -275,7 +278,9 @@ impl<'a> Reader<'a> {
             STRING_EXT => {
                 // term_to_binary writes lists of small integers (shapes!) this way.
                 let n = self.u16()?;
-                Ok(Term::List(self.take(n)?.iter().map(|b| Term::Int(*b as i128)).collect()))
+                Ok(Term::List(
+                    self.take(n)?.iter().map(|b| Term::Int(*b as i128)).collect(),
+                ))
             }
             LIST_EXT => {
                 let n = self.u32()?;
@@ -427,7 +432,10 @@ mod tests {
     #[test]
     fn string_ext_is_a_list_of_small_ints() {
         // :erlang.term_to_binary([2, 3])
-        assert_eq!(decode(&[131, 107, 0, 2, 2, 3]).unwrap(), Term::List(vec![Term::int(2), Term::int(3)]));
+        assert_eq!(
+            decode(&[131, 107, 0, 2, 2, 3]).unwrap(),
+            Term::List(vec![Term::int(2), Term::int(3)])
+        );
     }
 
     #[test]

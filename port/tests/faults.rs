@@ -29,7 +29,11 @@ fn crash_with(attrs: Term) -> ExitStatus {
     w.request(2, "fault", &[], &[], attrs);
     // An armed fault replies before it fires; anything else is a failure.
     while let Some((reply, _)) = w.try_recv() {
-        assert_eq!(reply, moat_port::protocol::ok(2, nil()), "the worker answered instead of dying");
+        assert_eq!(
+            reply,
+            moat_port::protocol::ok(2, nil()),
+            "the worker answered instead of dying"
+        );
     }
     w.wait_exit(Duration::from_secs(5))
 }
@@ -65,7 +69,13 @@ fn an_armed_fault_lands_in_the_middle_of_work() {
     for id in 2..100 {
         w.request(0, "matmul", &[id], &[id - 1, 1], typed("f", 32));
     }
-    w.request(0, "fault", &[], &[], fault("sigsegv", vec![("delay_ms", Term::int(30))]));
+    w.request(
+        0,
+        "fault",
+        &[],
+        &[],
+        fault("sigsegv", vec![("delay_ms", Term::int(30))]),
+    );
     // The read starts evaluating the chain; the fault lands during it.
     w.request(1, "to_binary", &[], &[99], nil());
     let reply = w.try_recv();

@@ -62,9 +62,15 @@ struct Rng(u64);
 
 impl Rng {
     fn seeded() -> (Rng, u64) {
-        let seed = std::env::var("MOAT_FUZZ_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
-            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64
-        });
+        let seed = std::env::var("MOAT_FUZZ_SEED")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| {
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .unwrap()
+                    .as_nanos() as u64
+            });
         (Rng(seed), seed)
     }
 
@@ -101,19 +107,56 @@ fn corpus() -> Vec<(Term, Vec<u8>)> {
     let g = 3;
     let f32_ty = || map(vec![("type", ty("f", 32))]);
     let mut c = vec![
-        (request(0, g, "from_binary", &[1], &[], tensor_attrs(&[2, 2], "f", 32, 16)), f32s(4)),
-        (request(0, g, "from_binary", &[2], &[], tensor_attrs(&[2, 2], "f", 32, 16)), f32s(4)),
-        (request(0, g, "from_binary", &[3], &[], tensor_attrs(&[3], "s", 32, 12)), vec![1; 12]),
-        (request(0, g, "from_binary", &[4], &[], tensor_attrs(&[2], "f", 64, 16)), vec![0; 16]),
-        (request(0, g, "from_binary", &[5], &[], tensor_attrs(&[4], "pred", 8, 4)), vec![1, 0, 1, 0]),
-        (request(0, g, "from_binary", &[6], &[], tensor_attrs(&[8], "u", 8, 8)), vec![7; 8]),
+        (
+            request(0, g, "from_binary", &[1], &[], tensor_attrs(&[2, 2], "f", 32, 16)),
+            f32s(4),
+        ),
+        (
+            request(0, g, "from_binary", &[2], &[], tensor_attrs(&[2, 2], "f", 32, 16)),
+            f32s(4),
+        ),
+        (
+            request(0, g, "from_binary", &[3], &[], tensor_attrs(&[3], "s", 32, 12)),
+            vec![1; 12],
+        ),
+        (
+            request(0, g, "from_binary", &[4], &[], tensor_attrs(&[2], "f", 64, 16)),
+            vec![0; 16],
+        ),
+        (
+            request(0, g, "from_binary", &[5], &[], tensor_attrs(&[4], "pred", 8, 4)),
+            vec![1, 0, 1, 0],
+        ),
+        (
+            request(0, g, "from_binary", &[6], &[], tensor_attrs(&[8], "u", 8, 8)),
+            vec![7; 8],
+        ),
         // An upload in two chunks.
-        (request(0, g, "from_binary", &[7], &[], tensor_attrs(&[4], "f", 32, 16)), f32s(2)),
+        (
+            request(0, g, "from_binary", &[7], &[], tensor_attrs(&[4], "f", 32, 16)),
+            f32s(2),
+        ),
         (request(0, g, "upload", &[7], &[], Term::int(8)), f32s(2)),
         (request(0, g, "astype", &[20], &[1], f32_ty()), vec![]),
-        (request(0, g, "reshape", &[21], &[1], map(vec![("shape", ids(&[4]))])), vec![]),
-        (request(0, g, "reshape", &[22], &[1], map(vec![("shape", Term::List(vec![Term::int(-1), Term::int(1)]))])), vec![]),
-        (request(0, g, "broadcast_to", &[23], &[3], map(vec![("shape", ids(&[2, 3]))])), vec![]),
+        (
+            request(0, g, "reshape", &[21], &[1], map(vec![("shape", ids(&[4]))])),
+            vec![],
+        ),
+        (
+            request(
+                0,
+                g,
+                "reshape",
+                &[22],
+                &[1],
+                map(vec![("shape", Term::List(vec![Term::int(-1), Term::int(1)]))]),
+            ),
+            vec![],
+        ),
+        (
+            request(0, g, "broadcast_to", &[23], &[3], map(vec![("shape", ids(&[2, 3]))])),
+            vec![],
+        ),
         (
             request(
                 0,
@@ -121,7 +164,11 @@ fn corpus() -> Vec<(Term, Vec<u8>)> {
                 "sum",
                 &[24],
                 &[1],
-                map(vec![("axes", ids(&[0])), ("keep_axes", Term::atom("true")), ("type", ty("f", 32))]),
+                map(vec![
+                    ("axes", ids(&[0])),
+                    ("keep_axes", Term::atom("true")),
+                    ("type", ty("f", 32)),
+                ]),
             ),
             vec![],
         ),
@@ -143,9 +190,37 @@ fn body(header: &Term, payload: &[u8]) -> Vec<u8> {
 }
 
 const ATOMS: &[&str] = &[
-    "nil", "true", "false", "add", "subtract", "multiply", "divide", "matmul", "sum", "astype", "reshape",
-    "broadcast_to", "from_binary", "upload", "release", "sync", "metadata", "f", "s", "u", "bf", "c", "pred", "type",
-    "shape", "axes", "keep_axes", "dtype", "bytes", "", "\u{fc}ber",
+    "nil",
+    "true",
+    "false",
+    "add",
+    "subtract",
+    "multiply",
+    "divide",
+    "matmul",
+    "sum",
+    "astype",
+    "reshape",
+    "broadcast_to",
+    "from_binary",
+    "upload",
+    "release",
+    "sync",
+    "metadata",
+    "f",
+    "s",
+    "u",
+    "bf",
+    "c",
+    "pred",
+    "type",
+    "shape",
+    "axes",
+    "keep_axes",
+    "dtype",
+    "bytes",
+    "",
+    "\u{fc}ber",
 ];
 
 fn interesting_int(rng: &mut Rng) -> i128 {
@@ -191,7 +266,11 @@ fn random_term(rng: &mut Rng, depth: usize) -> Term {
         (true, _) => Term::Binary((0..rng.below(12)).map(|_| rng.next() as u8).collect()),
         (false, 0 | 1) => Term::Tuple((0..rng.below(7)).map(|_| random_term(rng, depth + 1)).collect()),
         (false, 2 | 3) => Term::List((0..rng.below(5)).map(|_| random_term(rng, depth + 1)).collect()),
-        (false, 4) => Term::Map((0..rng.below(4)).map(|_| (random_term(rng, depth + 1), random_term(rng, depth + 1))).collect()),
+        (false, 4) => Term::Map(
+            (0..rng.below(4))
+                .map(|_| (random_term(rng, depth + 1), random_term(rng, depth + 1)))
+                .collect(),
+        ),
         (false, 5) => Term::atom(ATOMS[rng.below(ATOMS.len())]),
         (false, _) => Term::Int(interesting_int(rng)),
     }
@@ -244,7 +323,9 @@ fn mutate_bytes(bytes: &mut Vec<u8>, other: &[u8], rng: &mut Rng) {
             }
             1 if len > 0 => {
                 let i = rng.below(len);
-                bytes[i] = *rng.pick(&[0, 1, 0x7f, 0x80, 0xff, 131, 97, 98, 104, 106, 107, 108, 109, 110, 116, 119]);
+                bytes[i] = *rng.pick(&[
+                    0, 1, 0x7f, 0x80, 0xff, 131, 97, 98, 104, 106, 107, 108, 109, 110, 116, 119,
+                ]);
             }
             2 => bytes.truncate(rng.below(len + 1)),
             3 => {
@@ -255,7 +336,15 @@ fn mutate_bytes(bytes: &mut Vec<u8>, other: &[u8], rng: &mut Rng) {
             4 if len > 4 => {
                 // A 32-bit length field somewhere (header length, list, binary, map sizes).
                 let i = rng.below(len - 3);
-                let v = *rng.pick(&[0u32, 1, 0x7fff_ffff, 0xffff_ffff, 0x0100_0000, len as u32, len as u32 + 1]);
+                let v = *rng.pick(&[
+                    0u32,
+                    1,
+                    0x7fff_ffff,
+                    0xffff_ffff,
+                    0x0100_0000,
+                    len as u32,
+                    len as u32 + 1,
+                ]);
                 bytes[i..i + 4].copy_from_slice(&v.to_be_bytes());
             }
             5 if !other.is_empty() => {
@@ -283,7 +372,11 @@ fn damaged_body(corpus: &[(Term, Vec<u8>)], rng: &mut Rng) -> Vec<u8> {
     let (header, payload) = rng.pick(corpus);
     if rng.chance(2) {
         let header = mutate_term(header, rng);
-        let payload = if rng.chance(4) { payload[..rng.below(payload.len() + 1)].to_vec() } else { payload.clone() };
+        let payload = if rng.chance(4) {
+            payload[..rng.below(payload.len() + 1)].to_vec()
+        } else {
+            payload.clone()
+        };
         body(&header, &payload)
     } else {
         let mut b = body(header, payload);
@@ -307,7 +400,10 @@ fn fuzz(name: &str, gen: impl Fn(&mut Rng) -> Vec<u8>, check: impl Fn(&[u8])) ->
     while start.elapsed() < budget {
         let input = gen(&mut rng);
         if catch_unwind(AssertUnwindSafe(|| check(&input))).is_err() {
-            panic!("{name}: failed on input {} (MOAT_FUZZ_SEED={seed}, run {runs})", hex(&input));
+            panic!(
+                "{name}: failed on input {} (MOAT_FUZZ_SEED={seed}, run {runs})",
+                hex(&input)
+            );
         }
         runs += 1;
     }
@@ -331,7 +427,11 @@ fn the_term_decoder_never_panics_and_what_it_accepts_reencodes_stably() {
     let runs = fuzz("term decoder", gen, |input| {
         // A hostile header costs at most a constant times its own size.
         let (decoded, cost) = allocated_by(|| decode(input));
-        assert!(cost <= 64 * input.len() + 1024, "decoding {} bytes allocated {cost}", input.len());
+        assert!(
+            cost <= 64 * input.len() + 1024,
+            "decoding {} bytes allocated {cost}",
+            input.len()
+        );
         if let Ok(term) = decoded {
             let once = encode(&term);
             let again = decode(&once).expect("the decoder refused what the encoder wrote");
@@ -357,7 +457,11 @@ fn the_frame_reader_never_panics_and_always_makes_progress() {
         let mut stream = Vec::new();
         for _ in 0..1 + rng.below(4) {
             let b = damaged_body(&corpus, rng);
-            let len = if rng.chance(4) { rng.next() as u32 % (b.len() as u32 + 16) } else { b.len() as u32 };
+            let len = if rng.chance(4) {
+                rng.next() as u32 % (b.len() as u32 + 16)
+            } else {
+                b.len() as u32
+            };
             stream.extend_from_slice(&len.to_be_bytes());
             stream.extend_from_slice(&b);
         }
@@ -366,7 +470,11 @@ fn the_frame_reader_never_panics_and_always_makes_progress() {
         }
         stream
     };
-    let limits = Limits { max_header_bytes: 256, max_frame_bytes: 512, chunk_bytes: 128 };
+    let limits = Limits {
+        max_header_bytes: 256,
+        max_frame_bytes: 512,
+        chunk_bytes: 128,
+    };
     let runs = fuzz("frame reader", gen, |input| {
         let mut cursor = Cursor::new(input);
         loop {
@@ -382,7 +490,14 @@ fn the_frame_reader_never_panics_and_always_makes_progress() {
             assert!(cursor.position() > before, "no progress at offset {before}");
         }
     });
-    report::row("malformed", "damaged byte streams (frame reader, in process)", runs, runs, 0, "no panic; every frame consumed");
+    report::row(
+        "malformed",
+        "damaged byte streams (frame reader, in process)",
+        runs,
+        runs,
+        0,
+        "no panic; every frame consumed",
+    );
 }
 
 #[test]
@@ -403,7 +518,11 @@ fn the_reader_turns_every_packet_into_exactly_one_message() {
         }
         stream
     };
-    let limits = Limits { max_header_bytes: 4096, max_frame_bytes: 256, chunk_bytes: 64 };
+    let limits = Limits {
+        max_header_bytes: 4096,
+        max_frame_bytes: 256,
+        chunk_bytes: 64,
+    };
     let runs = fuzz("reader thread", gen, |input| {
         let mut packets = 0;
         let mut calls = Vec::new();
@@ -421,7 +540,12 @@ fn the_reader_turns_every_packet_into_exactly_one_message() {
         }
         let (tx, rx) = unbounded();
         let (replies, _) = unbounded();
-        let config = ReaderConfig { limits, generation: 3, shared_memory: false, replies };
+        let config = ReaderConfig {
+            limits,
+            generation: 3,
+            shared_memory: false,
+            replies,
+        };
         read_loop(Cursor::new(input), config, tx).expect("a well-framed stream never breaks the reader");
         let messages: Vec<Incoming> = rx.try_iter().collect();
         assert_eq!(messages.len(), packets, "one message per packet");
@@ -440,7 +564,14 @@ fn the_reader_turns_every_packet_into_exactly_one_message() {
             assert!(answered.contains(seq), "call {seq} vanished");
         }
     });
-    report::row("malformed", "damaged frames (reader thread, in process)", runs, runs, 0, "exactly one message per packet; no call lost");
+    report::row(
+        "malformed",
+        "damaged frames (reader thread, in process)",
+        runs,
+        runs,
+        0,
+        "exactly one message per packet; no call lost",
+    );
 }
 
 /// Seqs of the harness's own barrier calls, far from any the fuzzer writes.
@@ -451,7 +582,17 @@ fn a_worker_fed_damaged_frames_refuses_them_and_keeps_serving() {
     let corpus = corpus();
     let (mut rng, seed) = Rng::seeded();
     let budget = report::fuzz_budget(2.0);
-    let mut w = Worker::start_with(&["--max-frame-bytes", "4096", "--chunk-bytes", "1024", "--log-level", "error"], Stdio::null());
+    let mut w = Worker::start_with(
+        &[
+            "--max-frame-bytes",
+            "4096",
+            "--chunk-bytes",
+            "1024",
+            "--log-level",
+            "error",
+        ],
+        Stdio::null(),
+    );
     let start = Instant::now();
     let (mut sent, mut refusals, mut barriers) = (0u64, 0u64, 0u64);
     let mut recent: Vec<Vec<u8>> = Vec::new();
@@ -471,7 +612,10 @@ fn a_worker_fed_damaged_frames_refuses_them_and_keeps_serving() {
         loop {
             let Some((reply, _)) = w.try_recv() else {
                 let last: Vec<String> = recent.iter().map(|b| hex(b)).collect();
-                panic!("the worker died (MOAT_FUZZ_SEED={seed}); last frames:\n{}", last.join("\n"));
+                panic!(
+                    "the worker died (MOAT_FUZZ_SEED={seed}); last frames:\n{}",
+                    last.join("\n")
+                );
             };
             let items = reply.as_tuple().expect("replies are tuples");
             match (items[0].as_atom(), items[1].as_int()) {
@@ -489,7 +633,10 @@ fn a_worker_fed_damaged_frames_refuses_them_and_keeps_serving() {
     w.upload_f32(base + 1, &[2], &[1.0, 1.0]);
     w.request(0, "add", &[base + 2], &[base, base + 1], typed("f", 32));
     assert_eq!(w.read_f32(BARRIER - 1, base + 2), vec![2.5, 3.5]);
-    assert!(w.close(std::time::Duration::from_secs(2)).success(), "the worker did not exit cleanly");
+    assert!(
+        w.close(std::time::Duration::from_secs(2)).success(),
+        "the worker did not exit cleanly"
+    );
     println!("real worker: {sent} damaged frames, {refusals} error replies, {barriers} barriers (seed {seed})");
     report::row(
         "malformed",

@@ -34,12 +34,19 @@ fn out_of_range_indices_fail_the_op_and_the_worker_keeps_serving() {
         w.request(0, "take", &[out], &[2, idx], map(vec![("axis", Term::int(0))]));
         let (op, message) = error_parts(&w.read(k as u64 + 1, out).unwrap_err());
         assert_eq!(op, "take");
-        assert!(message.contains(&format!("index {index} is out of bounds for axis 0")), "{message}");
+        assert!(
+            message.contains(&format!("index {index} is out of bounds for axis 0")),
+            "{message}"
+        );
     }
     upload_s32(&mut w, 20, &[1, 2], &[2, 4]);
     w.request(0, "gather", &[21], &[2, 20], map(vec![("axes", ints(&[0, 1]))]));
     let (op, message) = error_parts(&w.read(5, 21).unwrap_err());
-    assert_eq!((op.as_str(), message.contains("index 4 is out of bounds for axis 1")), ("gather", true), "{message}");
+    assert_eq!(
+        (op.as_str(), message.contains("index 4 is out of bounds for axis 1")),
+        ("gather", true),
+        "{message}"
+    );
     upload_s32(&mut w, 22, &[1, 2], &[7, 0]);
     w.upload_f32(23, &[1], &[5.0]);
     let scatter = map(vec![("axes", ints(&[0, 1])), ("type", ty("f", 32))]);

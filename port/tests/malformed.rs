@@ -46,11 +46,31 @@ fn requests_of_the_wrong_shape() {
     assert_eq!(error_parts(&w.read(6, 9).unwrap_err()), (op, message));
 
     // A negative seq.
-    w.send(Term::tuple(vec![Term::int(-1), Term::int(3), Term::atom("sync"), ids(&[]), ids(&[]), nil()]), &[]);
+    w.send(
+        Term::tuple(vec![
+            Term::int(-1),
+            Term::int(3),
+            Term::atom("sync"),
+            ids(&[]),
+            ids(&[]),
+            nil(),
+        ]),
+        &[],
+    );
     assert!(unprompted(&mut w).1.contains("seq must be a non-negative integer"));
 
     // An op that is not an atom.
-    w.send(Term::tuple(vec![Term::int(7), Term::int(3), Term::Binary(b"add".to_vec()), ids(&[]), ids(&[]), nil()]), &[]);
+    w.send(
+        Term::tuple(vec![
+            Term::int(7),
+            Term::int(3),
+            Term::Binary(b"add".to_vec()),
+            ids(&[]),
+            ids(&[]),
+            nil(),
+        ]),
+        &[],
+    );
     assert!(error_parts(&w.recv().0).1.contains("op must be an atom"));
     still_serving(&mut w, 1);
 }
@@ -70,12 +90,21 @@ fn bad_tensor_ids() {
     w.request(10, "eval", &[], &[1, 43], nil());
     assert!(error_parts(&w.recv().0).1.contains("unknown tensor id 43"));
     w.request(11, "to_binary", &[], &[1, 1], nil());
-    assert!(error_parts(&w.recv().0).1.contains("to_binary takes one tensor id, got 2"));
+    assert!(error_parts(&w.recv().0)
+        .1
+        .contains("to_binary takes one tensor id, got 2"));
     still_serving(&mut w, 2);
 }
 
 fn request_with_ins(seq: u64, ins: Vec<Term>) -> Term {
-    Term::tuple(vec![Term::int(seq), Term::int(3), Term::atom("add"), ids(&[5]), Term::List(ins), typed("f", 32)])
+    Term::tuple(vec![
+        Term::int(seq),
+        Term::int(3),
+        Term::atom("add"),
+        ids(&[5]),
+        Term::List(ins),
+        typed("f", 32),
+    ])
 }
 
 #[test]
@@ -95,10 +124,17 @@ fn bad_dtypes_and_shapes_in_uploads() {
         ("shape", Term::List(vec![Term::int(-1)])),
     ]);
     w.send(request(0, 3, "from_binary", &[4], &[], attrs), &[0; 4]);
-    assert!(unprompted(&mut w).1.contains("shape dimensions must be integers in 0..2^31"));
+    assert!(unprompted(&mut w)
+        .1
+        .contains("shape dimensions must be integers in 0..2^31"));
     // More payload than the tensor holds.
-    w.send(request(0, 3, "from_binary", &[5], &[], tensor_attrs(&[1], "f", 32, 4)), &[0; 8]);
-    assert!(unprompted(&mut w).1.contains("payload of 8 bytes exceeds the tensor's 4 bytes"));
+    w.send(
+        request(0, 3, "from_binary", &[5], &[], tensor_attrs(&[1], "f", 32, 4)),
+        &[0; 8],
+    );
+    assert!(unprompted(&mut w)
+        .1
+        .contains("payload of 8 bytes exceeds the tensor's 4 bytes"));
     // A byte count whose shape overflows.
     let huge = tensor_attrs(&[i32::MAX, i32::MAX, i32::MAX], "f", 64, 8);
     w.send(request(0, 3, "from_binary", &[6], &[], huge), &[0; 8]);
@@ -113,14 +149,23 @@ fn broken_chunked_uploads() {
     w.send(request(0, 3, "upload", &[1], &[], Term::int(0)), &[0; 4]);
     assert!(unprompted(&mut w).1.contains("no upload in progress for tensor id 1"));
     // A chunk at the wrong offset ends the upload and poisons its id.
-    w.send(request(0, 3, "from_binary", &[2], &[], tensor_attrs(&[4], "f", 32, 16)), &[0; 4]);
+    w.send(
+        request(0, 3, "from_binary", &[2], &[], tensor_attrs(&[4], "f", 32, 16)),
+        &[0; 4],
+    );
     w.send(request(0, 3, "upload", &[2], &[], Term::int(8)), &[0; 4]);
     let (op, message) = unprompted(&mut w);
     assert_eq!(op, "upload");
-    assert!(message.contains("does not continue tensor 2 (4 of 16 bytes received)"), "{message}");
+    assert!(
+        message.contains("does not continue tensor 2 (4 of 16 bytes received)"),
+        "{message}"
+    );
     assert_eq!(error_parts(&w.read(1, 2).unwrap_err()), (op, message));
     // A chunk that overruns the tensor.
-    w.send(request(0, 3, "from_binary", &[3], &[], tensor_attrs(&[2], "f", 32, 8)), &[0; 4]);
+    w.send(
+        request(0, 3, "from_binary", &[3], &[], tensor_attrs(&[2], "f", 32, 8)),
+        &[0; 4],
+    );
     w.send(request(0, 3, "upload", &[3], &[], Term::int(4)), &[0; 8]);
     assert!(unprompted(&mut w).1.contains("does not continue tensor 3"));
     still_serving(&mut w, 4);
@@ -132,7 +177,10 @@ fn payloads_on_ops_that_take_none() {
     w.upload_f32(1, &[1], &[1.0]);
     w.send(request(0, 3, "add", &[2], &[1, 1], typed("f", 32)), &[1, 2, 3]);
     let (op, message) = unprompted(&mut w);
-    assert_eq!((op.as_str(), message.as_str()), ("add", "add takes no payload, got 3 bytes"));
+    assert_eq!(
+        (op.as_str(), message.as_str()),
+        ("add", "add takes no payload, got 3 bytes")
+    );
     assert!(w.read(1, 2).is_err());
     still_serving(&mut w, 3);
 }
@@ -141,7 +189,10 @@ fn payloads_on_ops_that_take_none() {
 fn fire_and_forget_failures_with_no_id_to_carry_them_are_reported() {
     let mut w = start(&[]);
     w.request(0, "frobnicate", &[], &[], nil());
-    assert_eq!(unprompted(&mut w), ("frobnicate".into(), "unknown op frobnicate".into()));
+    assert_eq!(
+        unprompted(&mut w),
+        ("frobnicate".into(), "unknown op frobnicate".into())
+    );
     w.request(0, "async_eval", &[], &[77], nil());
     w.request(0, "release", &[], &[78], nil());
     // Neither of those is an error (evaluation errors resurface at the next
@@ -159,7 +210,10 @@ fn stale_generations_poison_fire_and_forget_outputs() {
     assert_eq!(op, "stale_generation");
     assert!(message.contains("add was sent to worker generation 2"), "{message}");
     // An upload from an old generation poisons its id too.
-    w.send(request(0, 4, "from_binary", &[3], &[], tensor_attrs(&[1], "f", 32, 4)), &[0; 4]);
+    w.send(
+        request(0, 4, "from_binary", &[3], &[], tensor_attrs(&[1], "f", 32, 4)),
+        &[0; 4],
+    );
     assert_eq!(error_parts(&w.read(2, 3).unwrap_err()).0, "stale_generation");
     still_serving(&mut w, 4);
 }
@@ -171,7 +225,10 @@ fn a_header_over_the_header_limit_is_refused() {
     w.request(3, "sync", &[], &[], attrs);
     let (op, message) = unprompted(&mut w);
     assert_eq!(op, "protocol");
-    assert!(message.contains("exceeds the packet") && message.contains("header limit"), "{message}");
+    assert!(
+        message.contains("exceeds the packet") && message.contains("header limit"),
+        "{message}"
+    );
     still_serving(&mut w, 1);
 }
 
@@ -203,16 +260,26 @@ fn an_oversized_frame_is_refused_before_anything_is_allocated_for_it() {
     let (op, message) = unprompted(&mut w);
     assert_eq!(w.recv().0, moat_port::protocol::ok(7, nil()));
     assert_eq!(op, "protocol");
-    assert!(message.contains("frame of more than 1048576 bytes refused"), "{message}");
+    assert!(
+        message.contains("frame of more than 1048576 bytes refused"),
+        "{message}"
+    );
     let grown = vm_peak(w.pid()) - before;
-    assert!(grown < 128 << 20, "the worker mapped {} MiB for a frame it refused", grown >> 20);
+    assert!(
+        grown < 128 << 20,
+        "the worker mapped {} MiB for a frame it refused",
+        grown >> 20
+    );
     common::report::row(
         "malformed",
         "oversized frame: 1 GiB against a 1 MiB cap",
         1,
         1,
         0,
-        &format!("refused before allocating: the worker's peak virtual size grew {} MiB; still serving", grown >> 20),
+        &format!(
+            "refused before allocating: the worker's peak virtual size grew {} MiB; still serving",
+            grown >> 20
+        ),
     );
     assert_eq!(error_parts(&w.read(8, 2).unwrap_err()).0, "protocol");
     still_serving(&mut w, 3);

@@ -24,7 +24,9 @@ fn call(w: &mut Worker, seq: u64, op: &str, attrs: Term) -> Result<Term, Term> {
 
 fn stat(w: &mut Worker, seq: u64, key: &str) -> u64 {
     let info = call(w, seq, "memory_info", nil()).expect("memory_info");
-    info.get(key).and_then(Term::as_int).unwrap_or_else(|| panic!("no {key} in {info}")) as u64
+    info.get(key)
+        .and_then(Term::as_int)
+        .unwrap_or_else(|| panic!("no {key} in {info}")) as u64
 }
 
 /// A 1 MiB f32 tensor of ones.
@@ -37,7 +39,10 @@ fn memory_info_reports_the_allocator_and_the_registry() {
     let mut w = Worker::start(&[]);
     let info = call(&mut w, 1, "memory_info", nil()).unwrap();
     for key in ["active", "peak", "cache", "limit", "cache_limit", "tensors"] {
-        assert!(info.get(key).and_then(Term::as_int).is_some(), "{key} missing from {info}");
+        assert!(
+            info.get(key).and_then(Term::as_int).is_some(),
+            "{key} missing from {info}"
+        );
     }
     assert!(stat(&mut w, 2, "limit") > 0);
     upload_mib(&mut w, 1);
@@ -62,9 +67,18 @@ fn memory_info_reports_the_allocator_and_the_registry() {
 fn limits_return_the_previous_value_and_refuse_bad_counts() {
     let mut w = Worker::start(&[]);
     let default = stat(&mut w, 1, "limit");
-    assert_eq!(call(&mut w, 2, "set_memory_limit", Term::int(64 * MIB)).unwrap(), Term::int(default));
-    assert_eq!(call(&mut w, 3, "set_memory_limit", Term::int(default)).unwrap(), Term::int(64 * MIB));
-    assert_eq!(call(&mut w, 4, "set_cache_limit", Term::int(0u64)).unwrap(), Term::int(default));
+    assert_eq!(
+        call(&mut w, 2, "set_memory_limit", Term::int(64 * MIB)).unwrap(),
+        Term::int(default)
+    );
+    assert_eq!(
+        call(&mut w, 3, "set_memory_limit", Term::int(default)).unwrap(),
+        Term::int(64 * MIB)
+    );
+    assert_eq!(
+        call(&mut w, 4, "set_cache_limit", Term::int(0u64)).unwrap(),
+        Term::int(default)
+    );
     assert_eq!(stat(&mut w, 5, "cache_limit"), 0);
     upload_mib(&mut w, 1);
     w.request(0, "release", &[], &[1], nil());
@@ -131,7 +145,10 @@ fn views_count_nothing() {
     }
     w.request(3, "eval", &[], &[5, 6, 7], nil());
     assert!(w.recv().0.as_tuple().unwrap()[0].is_atom("ok"));
-    assert!(stat(&mut w, 4, "peak") < 5 * MIB, "neither the sum of the broadcast nor the reshapes copied");
+    assert!(
+        stat(&mut w, 4, "peak") < 5 * MIB,
+        "neither the sum of the broadcast nor the reshapes copied"
+    );
     w.close(Duration::from_secs(1));
 }
 
@@ -147,7 +164,10 @@ fn a_lazy_chain_whose_results_are_all_held_does_not_evaluate_past_the_limit() {
     }
     let (op, message) = error_parts(&w.read(2, 13).unwrap_err());
     assert_eq!(op, "to_binary");
-    assert!(message.contains("memory limit exceeded: needs 1.0 MiB, 8.0 MiB in use, limit 8.0 MiB"), "{message}");
+    assert!(
+        message.contains("memory limit exceeded: needs 1.0 MiB, 8.0 MiB in use, limit 8.0 MiB"),
+        "{message}"
+    );
     assert!(stat(&mut w, 3, "peak") <= 8 * MIB);
     // Not poisoned: with room, the same tensor evaluates.
     call(&mut w, 4, "set_memory_limit", Term::int(64 * MIB)).unwrap();

@@ -18,7 +18,11 @@ fn as_type_maps_non_finite_floats_like_nx() {
     assert_eq!(i32_values(&w.read_bytes(1, 2)), [0, i32::MAX, i32::MIN, 2, -2, 300, -1]);
     // Finite values wrap like Nx (300 -> 44, -1 -> 255); infinities saturate.
     assert_eq!(w.read_bytes(2, 3), [0, 255, 0, 2, 254, 44, 255]);
-    let u64s: Vec<u64> = w.read_bytes(3, 4).chunks(8).map(|c| u64::from_le_bytes(c.try_into().unwrap())).collect();
+    let u64s: Vec<u64> = w
+        .read_bytes(3, 4)
+        .chunks(8)
+        .map(|c| u64::from_le_bytes(c.try_into().unwrap()))
+        .collect();
     assert_eq!(u64s, [0, u64::MAX, 0, 2, u64::MAX - 1, 300, u64::MAX]);
 }
 
@@ -51,25 +55,49 @@ fn cumulative_ops_scan_interior_axes_in_both_directions() {
     let values: Vec<f32> = (1..=12).map(|i| i as f32).collect();
     w.upload_f32(1, &[2, 3, 2], &values);
     let scan = |reverse: bool| {
-        map(vec![("axis", Term::int(1)), ("reverse", Term::atom(if reverse { "true" } else { "false" })), ("type", ty("f", 32))])
+        map(vec![
+            ("axis", Term::int(1)),
+            ("reverse", Term::atom(if reverse { "true" } else { "false" })),
+            ("type", ty("f", 32)),
+        ])
     };
     w.request(0, "cumulative_sum", &[2], &[1], scan(false));
     w.request(0, "cumulative_sum", &[3], &[1], scan(true));
-    assert_eq!(w.read_f32(1, 2), [1.0, 2.0, 4.0, 6.0, 9.0, 12.0, 7.0, 8.0, 16.0, 18.0, 27.0, 30.0]);
-    assert_eq!(w.read_f32(2, 3), [9.0, 12.0, 8.0, 10.0, 5.0, 6.0, 27.0, 30.0, 20.0, 22.0, 11.0, 12.0]);
+    assert_eq!(
+        w.read_f32(1, 2),
+        [1.0, 2.0, 4.0, 6.0, 9.0, 12.0, 7.0, 8.0, 16.0, 18.0, 27.0, 30.0]
+    );
+    assert_eq!(
+        w.read_f32(2, 3),
+        [9.0, 12.0, 8.0, 10.0, 5.0, 6.0, 27.0, 30.0, 20.0, 22.0, 11.0, 12.0]
+    );
 }
 
 #[test]
 fn half_precision_cummax_keeps_nan() {
     let mut w = Worker::start(&[]);
     // f16: 1.0, NaN, 3.0
-    let bytes: Vec<u8> = [0x3c00u16, 0x7e00, 0x4200].iter().flat_map(|h| h.to_le_bytes()).collect();
+    let bytes: Vec<u8> = [0x3c00u16, 0x7e00, 0x4200]
+        .iter()
+        .flat_map(|h| h.to_le_bytes())
+        .collect();
     w.upload(1, &[3], "f", 16, &bytes);
-    let attrs = map(vec![("axis", Term::int(0)), ("reverse", Term::atom("false")), ("type", ty("f", 16))]);
+    let attrs = map(vec![
+        ("axis", Term::int(0)),
+        ("reverse", Term::atom("false")),
+        ("type", ty("f", 16)),
+    ]);
     w.request(0, "cumulative_max", &[2], &[1], attrs);
-    let out: Vec<u16> = w.read_bytes(1, 2).chunks(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect();
+    let out: Vec<u16> = w
+        .read_bytes(1, 2)
+        .chunks(2)
+        .map(|c| u16::from_le_bytes([c[0], c[1]]))
+        .collect();
     assert_eq!(out[0], 0x3c00);
-    assert!(out[1..].iter().all(|h| h & 0x7c00 == 0x7c00 && h & 0x03ff != 0), "NaN expected, got {out:x?}");
+    assert!(
+        out[1..].iter().all(|h| h & 0x7c00 == 0x7c00 && h & 0x03ff != 0),
+        "NaN expected, got {out:x?}"
+    );
 }
 
 #[test]
@@ -78,7 +106,11 @@ fn half_precision_cumsum_accumulates_in_f32() {
     // 3000 ones in f16: a running f16 sum would stop at 2048.
     let bytes: Vec<u8> = std::iter::repeat_n(0x3c00u16.to_le_bytes(), 3000).flatten().collect();
     w.upload(1, &[3000], "f", 16, &bytes);
-    let attrs = map(vec![("axis", Term::int(0)), ("reverse", Term::atom("false")), ("type", ty("f", 16))]);
+    let attrs = map(vec![
+        ("axis", Term::int(0)),
+        ("reverse", Term::atom("false")),
+        ("type", ty("f", 16)),
+    ]);
     w.request(0, "cumulative_sum", &[2], &[1], attrs);
     let out = w.read_bytes(1, 2);
     // 3000 is exact in f16 (spacing 2 above 2048).
@@ -123,7 +155,13 @@ fn argmax_prefers_the_last_nan_and_honours_tie_break() {
 fn bad_attributes_name_the_op() {
     let mut w = Worker::start(&[]);
     w.upload_f32(1, &[2], &[1.0, 2.0]);
-    w.request(0, "sort", &[2], &[1], map(vec![("axis", Term::int(0)), ("direction", Term::atom("sideways"))]));
+    w.request(
+        0,
+        "sort",
+        &[2],
+        &[1],
+        map(vec![("axis", Term::int(0)), ("direction", Term::atom("sideways"))]),
+    );
     let (op, message) = error_parts(&w.read(1, 2).unwrap_err());
     assert_eq!(op, "sort");
     assert!(message.contains("direction must be :asc or :desc"), "{message}");

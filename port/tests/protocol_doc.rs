@@ -16,18 +16,27 @@ fn examples() -> Vec<Example> {
     for part in section.split("### Example: ").skip(1) {
         let title = part.lines().next().unwrap().to_string();
         let block = |lang: &str| {
-            let start = part.find(&format!("```{lang}\n")).unwrap_or_else(|| panic!("{title}: no {lang} block"));
+            let start = part
+                .find(&format!("```{lang}\n"))
+                .unwrap_or_else(|| panic!("{title}: no {lang} block"));
             let body = &part[start + lang.len() + 4..];
             body[..body.find("```").unwrap()].to_string()
         };
-        out.push(Example { term: block("term").trim().to_string(), hex: block("hex"), title });
+        out.push(Example {
+            term: block("term").trim().to_string(),
+            hex: block("hex"),
+            title,
+        });
     }
     out
 }
 
 fn unhex(s: &str) -> Vec<u8> {
     let digits: String = s.chars().filter(|c| !c.is_whitespace()).collect();
-    (0..digits.len()).step_by(2).map(|i| u8::from_str_radix(&digits[i..i + 2], 16).expect("hex")).collect()
+    (0..digits.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&digits[i..i + 2], 16).expect("hex"))
+        .collect()
 }
 
 #[test]

@@ -37,11 +37,22 @@ fn children(pid: u32) -> Vec<u32> {
 /// it holds the request pipe and nothing else. Returns its pid.
 fn only_the_input_holder(w: &Worker) -> u32 {
     let kids = children(w.pid());
-    assert_eq!(kids.len(), 1, "the worker has children other than its input holder: {kids:?}");
+    assert_eq!(
+        kids.len(),
+        1,
+        "the worker has children other than its input holder: {kids:?}"
+    );
     let holder = kids[0];
-    assert_eq!(std::fs::read_to_string(format!("/proc/{holder}/comm")).unwrap().trim(), "moat_port-hold");
+    assert_eq!(
+        std::fs::read_to_string(format!("/proc/{holder}/comm")).unwrap().trim(),
+        "moat_port-hold"
+    );
     let worker_input = open_fds(w.pid()).into_iter().find(|(fd, _)| *fd == 3).unwrap().1;
-    assert_eq!(open_fds(holder), vec![(3, worker_input)], "the holder holds more than the request pipe");
+    assert_eq!(
+        open_fds(holder),
+        vec![(3, worker_input)],
+        "the holder holds more than the request pipe"
+    );
     holder
 }
 
@@ -55,9 +66,18 @@ fn exercise(w: &mut Worker) {
     let n = 128;
     w.upload_f32(1, &[n, n], &vec![0.5; (n * n) as usize]);
     w.request(0, "matmul", &[2], &[1, 1], typed("f", 32));
-    w.request(0, "sum", &[3], &[2], moat_port::protocol::map(vec![("axes", ids(&[0, 1])), ("keep_axes", Term::atom("false"))]));
+    w.request(
+        0,
+        "sum",
+        &[3],
+        &[2],
+        moat_port::protocol::map(vec![("axes", ids(&[0, 1])), ("keep_axes", Term::atom("false"))]),
+    );
     let (_, bytes) = w.read(1, 3).unwrap();
-    assert_eq!(f32::from_le_bytes(bytes[..4].try_into().unwrap()), 0.25 * 128.0 * 128.0 * 128.0);
+    assert_eq!(
+        f32::from_le_bytes(bytes[..4].try_into().unwrap()),
+        0.25 * 128.0 * 128.0 * 128.0
+    );
 }
 
 /// Descriptors of this test process that a child inherits (no close-on-exec),
@@ -69,7 +89,11 @@ fn inheritable_fds() -> Vec<u32> {
         .map(|(fd, _)| fd)
         .filter(|fd| {
             let info = std::fs::read_to_string(format!("/proc/self/fdinfo/{fd}")).unwrap_or_default();
-            let flags = info.lines().find_map(|l| l.strip_prefix("flags:")).map(str::trim).unwrap_or("0");
+            let flags = info
+                .lines()
+                .find_map(|l| l.strip_prefix("flags:"))
+                .map(str::trim)
+                .unwrap_or("0");
             u32::from_str_radix(flags, 8).is_ok_and(|f| f & libc::O_CLOEXEC as u32 == 0)
         })
         .filter(|fd| *fd > 4)
@@ -86,14 +110,23 @@ fn the_worker_holds_only_the_descriptors_it_was_given_and_no_sockets() {
     expected.extend(inheritable_fds());
     expected.sort();
     assert_eq!(numbers, expected, "unexpected descriptors: {fds:?}");
-    assert!(fds[3].1.starts_with("pipe:") && fds[4].1.starts_with("pipe:"), "fds 3 and 4 must be the pipes: {fds:?}");
-    assert!(fds.iter().all(|(_, t)| !t.starts_with("socket:")), "a socket is open: {fds:?}");
+    assert!(
+        fds[3].1.starts_with("pipe:") && fds[4].1.starts_with("pipe:"),
+        "fds 3 and 4 must be the pipes: {fds:?}"
+    );
+    assert!(
+        fds.iter().all(|(_, t)| !t.starts_with("socket:")),
+        "a socket is open: {fds:?}"
+    );
     let holder = only_the_input_holder(&w);
     w.close(Duration::from_secs(1));
     // The holder leaves once the client has closed the pipe.
     let deadline = std::time::Instant::now() + Duration::from_secs(1);
     while std::path::Path::new(&format!("/proc/{holder}/comm")).exists() && !zombie(holder) {
-        assert!(std::time::Instant::now() < deadline, "the input holder outlived its client");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the input holder outlived its client"
+        );
         std::thread::sleep(Duration::from_millis(5));
     }
 }
@@ -103,9 +136,23 @@ fn nothing_outside_the_op_table_runs() {
     let mut w = Worker::start_with(&["--log-level", "error"], Stdio::null());
     // The production build has no :fault op; names that would mean something
     // to a shell or a loader are just unknown ops.
-    for (seq, op) in ["fault", "system", "exec", "/bin/sh", "../../../bin/true", "dlopen", "eval_string"].iter().enumerate() {
+    for (seq, op) in [
+        "fault",
+        "system",
+        "exec",
+        "/bin/sh",
+        "../../../bin/true",
+        "dlopen",
+        "eval_string",
+    ]
+    .iter()
+    .enumerate()
+    {
         let seq = seq as u64 + 1;
-        let attrs = moat_port::protocol::map(vec![("kind", Term::atom("sigkill")), ("cmd", Term::Binary(b"touch /tmp/moat-pwned".to_vec()))]);
+        let attrs = moat_port::protocol::map(vec![
+            ("kind", Term::atom("sigkill")),
+            ("cmd", Term::Binary(b"touch /tmp/moat-pwned".to_vec())),
+        ]);
         w.request(seq, op, &[], &[], attrs);
         let (failed, message) = error_parts(&w.recv().0);
         assert_eq!((failed.as_str(), message), (*op, format!("unknown op {op}")));
@@ -120,12 +167,21 @@ fn nothing_outside_the_op_table_runs() {
 fn tensor_data_never_reaches_the_log_even_at_trace_level() {
     let log = std::env::temp_dir().join(format!("moat-security-{}.log", std::process::id()));
     let file = std::fs::File::create(&log).unwrap();
-    let mut w = Worker::start_with(&["--log-level", "trace", "--max-frame-bytes", "4096"], Stdio::from(file));
+    let mut w = Worker::start_with(
+        &["--log-level", "trace", "--max-frame-bytes", "4096"],
+        Stdio::from(file),
+    );
     let secret = b"SECRET-TENSOR-BYTES-0123456789ab";
     let attrs = |n: usize| tensor_attrs(&[n as i32], "u", 8, n);
     // Accepted, computed on, failed on, refused and read back.
     w.send(request(0, 3, "from_binary", &[1], &[], attrs(secret.len())), secret);
-    w.request(0, "reshape", &[2], &[1], moat_port::protocol::map(vec![("shape", ids(&[7, 7]))]));
+    w.request(
+        0,
+        "reshape",
+        &[2],
+        &[1],
+        moat_port::protocol::map(vec![("shape", ids(&[7, 7]))]),
+    );
     assert!(w.read(1, 2).is_err());
     w.send(request(0, 3, "from_binary", &[3], &[], attrs(secret.len() - 1)), secret);
     let big: Vec<u8> = secret.iter().copied().cycle().take(8192).collect();
@@ -140,5 +196,9 @@ fn tensor_data_never_reaches_the_log_even_at_trace_level() {
     std::fs::remove_file(&log).ok();
     assert!(text.len() > 100, "the worker logged nothing at trace level");
     let leaked = text.windows(8).any(|w| secret.windows(8).any(|s| s == w));
-    assert!(!leaked, "tensor bytes appear in the log:\n{}", String::from_utf8_lossy(&text));
+    assert!(
+        !leaked,
+        "tensor bytes appear in the log:\n{}",
+        String::from_utf8_lossy(&text)
+    );
 }

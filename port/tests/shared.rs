@@ -27,7 +27,9 @@ fn call(w: &mut Worker, seq: u64, op: &str, outs: &[u64], ins: &[u64], attrs: Te
 }
 
 fn int(t: &Term, key: &str) -> u64 {
-    t.get(key).and_then(Term::as_int).unwrap_or_else(|| panic!("no {key} in {t}")) as u64
+    t.get(key)
+        .and_then(Term::as_int)
+        .unwrap_or_else(|| panic!("no {key} in {t}")) as u64
 }
 
 fn active(w: &mut Worker, seq: u64) -> usize {
@@ -52,14 +54,28 @@ fn offer(w: &Worker) -> Term {
 /// What the client does with an `upload_file` reply: opens the file by its
 /// path, checks the inode, writes the bytes.
 fn fill(location: &Term, bytes: &[u8]) {
-    let Some(Term::Binary(path)) = location.get("path") else { panic!("no path in {location}") };
-    let file = OpenOptions::new().read(true).write(true).open(String::from_utf8_lossy(path).as_ref()).expect("open the shared file");
+    let Some(Term::Binary(path)) = location.get("path") else {
+        panic!("no path in {location}")
+    };
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(String::from_utf8_lossy(path).as_ref())
+        .expect("open the shared file");
     assert_eq!(file.metadata().unwrap().ino(), int(location, "inode"));
     file.write_all_at(bytes, 0).expect("write the shared file");
 }
 
 fn upload_shared(w: &mut Worker, seq: u64, id: u64, shape: &[i32], bytes: &[u8]) {
-    let (location, _) = call(w, seq, "upload_file", &[id], &[], tensor_attrs(shape, "u", 8, bytes.len())).unwrap();
+    let (location, _) = call(
+        w,
+        seq,
+        "upload_file",
+        &[id],
+        &[],
+        tensor_attrs(shape, "u", 8, bytes.len()),
+    )
+    .unwrap();
     fill(&location, bytes);
     w.request(0, "from_file", &[id], &[], nil());
 }
@@ -75,7 +91,9 @@ fn read_memory(w: &Worker, address: u64, len: usize) -> Vec<u8> {
 fn the_hello_offers_a_probe_the_client_can_read() {
     let w = Worker::start(&[]);
     let offer = offer(&w);
-    let Some(Term::Binary(nonce)) = offer.get("nonce") else { panic!("no nonce in {offer}") };
+    let Some(Term::Binary(nonce)) = offer.get("nonce") else {
+        panic!("no nonce in {offer}")
+    };
     assert_eq!(nonce.len(), 16);
     assert_eq!(&read_memory(&w, int(&offer, "address"), 16), nonce);
     w.close(Duration::from_secs(1));
@@ -88,7 +106,11 @@ fn an_upload_through_a_shared_file_arrives_intact_and_is_counted() {
     let before = active(&mut w, 1);
     upload_shared(&mut w, 2, 1, &[bytes.len() as i32], &bytes);
     let info = call(&mut w, 3, "memory_info", &[], &[], nil()).unwrap().0;
-    assert_eq!(int(&info, "active") as usize, before + bytes.len(), "the mapping counts as live");
+    assert_eq!(
+        int(&info, "active") as usize,
+        before + bytes.len(),
+        "the mapping counts as live"
+    );
     assert!(int(&info, "peak") >= int(&info, "active"), "and in the peak: {info}");
     assert_eq!(w.read(4, 1).unwrap().1, bytes);
     w.request(0, "release", &[], &[1], nil());
@@ -103,7 +125,15 @@ fn mlx_may_reuse_a_mapped_buffer_for_a_result() {
     let mut w = Worker::start(&[]);
     let n = MIB / 4;
     let values: Vec<u8> = (0..n).flat_map(|i| (i as f32).to_le_bytes()).collect();
-    let (location, _) = call(&mut w, 1, "upload_file", &[1], &[], tensor_attrs(&[n as i32], "f", 32, values.len())).unwrap();
+    let (location, _) = call(
+        &mut w,
+        1,
+        "upload_file",
+        &[1],
+        &[],
+        tensor_attrs(&[n as i32], "f", 32, values.len()),
+    )
+    .unwrap();
     fill(&location, &values);
     w.request(0, "from_file", &[1], &[], nil());
     w.upload_f32(2, &[1], &[1.0]);
@@ -112,7 +142,11 @@ fn mlx_may_reuse_a_mapped_buffer_for_a_result() {
     let sums = w.read_f32(2, 3);
     assert!(sums.iter().enumerate().all(|(i, v)| *v == i as f32 + 1.0));
     // The sum lives in the mapping: nothing but the scalar was allocated.
-    assert_eq!(active(&mut w, 9), values.len() + 4, "MLX wrote the result into the mapped buffer");
+    assert_eq!(
+        active(&mut w, 9),
+        values.len() + 4,
+        "MLX wrote the result into the mapped buffer"
+    );
     w.request(0, "release", &[], &[2, 3], nil());
     assert_eq!(active(&mut w, 3), 0);
     w.close(Duration::from_secs(1));
@@ -153,11 +187,22 @@ fn a_pin_id_is_defined_once_and_bad_pin_requests_name_to_binary() {
     w.upload_f32(1, &[1], &[5.0]);
     call(&mut w, 1, "to_binary", &[10], &[1], pin(1)).unwrap();
     let (op, message) = error_parts(&call(&mut w, 2, "to_binary", &[10], &[1], pin(1)).unwrap_err());
-    assert_eq!((op.as_str(), message.as_str()), ("to_binary", "tensor id 10 is already defined"));
-    for (outs, attrs) in [(vec![], pin(1)), (vec![11, 12], pin(1)), (vec![11], nil()), (vec![11], Term::int(4))] {
+    assert_eq!(
+        (op.as_str(), message.as_str()),
+        ("to_binary", "tensor id 10 is already defined")
+    );
+    for (outs, attrs) in [
+        (vec![], pin(1)),
+        (vec![11, 12], pin(1)),
+        (vec![11], nil()),
+        (vec![11], Term::int(4)),
+    ] {
         let (op, message) = error_parts(&call(&mut w, 3, "to_binary", &outs, &[1], attrs).unwrap_err());
         assert_eq!(op, "to_binary");
-        assert!(message.contains("to_binary takes attrs nil, or %{pin: min_bytes} with one out id"), "{message}");
+        assert!(
+            message.contains("to_binary takes attrs nil, or %{pin: min_bytes} with one out id"),
+            "{message}"
+        );
     }
     w.close(Duration::from_secs(1));
 }
@@ -165,14 +210,27 @@ fn a_pin_id_is_defined_once_and_bad_pin_requests_name_to_binary() {
 #[test]
 fn a_shared_file_released_before_it_is_used_goes_with_its_budget() {
     let mut w = Worker::start(&[]);
-    let (location, _) = call(&mut w, 1, "upload_file", &[1], &[], tensor_attrs(&[MIB as i32], "u", 8, MIB)).unwrap();
+    let (location, _) = call(
+        &mut w,
+        1,
+        "upload_file",
+        &[1],
+        &[],
+        tensor_attrs(&[MIB as i32], "u", 8, MIB),
+    )
+    .unwrap();
     assert_eq!(active(&mut w, 2), MIB, "held from the start");
     // The sender died before from_file: its handle's release arrives instead.
     w.request(0, "release", &[], &[1], nil());
     assert_eq!(active(&mut w, 3), 0);
-    let Some(Term::Binary(path)) = location.get("path") else { panic!() };
+    let Some(Term::Binary(path)) = location.get("path") else {
+        panic!()
+    };
     let path = String::from_utf8_lossy(path).into_owned();
-    assert!(std::fs::read_link(&path).map_or(true, |t| !t.to_string_lossy().contains("moat-upload")), "{path} still open");
+    assert!(
+        std::fs::read_link(&path).map_or(true, |t| !t.to_string_lossy().contains("moat-upload")),
+        "{path} still open"
+    );
     w.request(0, "from_file", &[1], &[], nil());
     let (op, message) = error_parts(&w.recv().0);
     assert_eq!(op, "from_binary");
@@ -183,13 +241,34 @@ fn a_shared_file_released_before_it_is_used_goes_with_its_budget() {
 #[test]
 fn a_shared_file_cannot_be_shrunk_under_its_mapping() {
     let mut w = Worker::start(&[]);
-    let (location, _) = call(&mut w, 1, "upload_file", &[1], &[], tensor_attrs(&[MIB as i32], "u", 8, MIB)).unwrap();
-    let Some(Term::Binary(path)) = location.get("path") else { panic!() };
-    let file = OpenOptions::new().write(true).open(String::from_utf8_lossy(path).as_ref()).unwrap();
+    let (location, _) = call(
+        &mut w,
+        1,
+        "upload_file",
+        &[1],
+        &[],
+        tensor_attrs(&[MIB as i32], "u", 8, MIB),
+    )
+    .unwrap();
+    let Some(Term::Binary(path)) = location.get("path") else {
+        panic!()
+    };
+    let file = OpenOptions::new()
+        .write(true)
+        .open(String::from_utf8_lossy(path).as_ref())
+        .unwrap();
     assert!(file.set_len(16).is_err(), "the size is sealed");
-    assert!(OpenOptions::new().write(true).truncate(true).open(String::from_utf8_lossy(path).as_ref()).is_err());
+    assert!(OpenOptions::new()
+        .write(true)
+        .truncate(true)
+        .open(String::from_utf8_lossy(path).as_ref())
+        .is_err());
     w.request(0, "from_file", &[1], &[], nil());
-    assert_eq!(w.read(2, 1).unwrap().1, vec![0u8; MIB], "bytes never written read as zeros");
+    assert_eq!(
+        w.read(2, 1).unwrap().1,
+        vec![0u8; MIB],
+        "bytes never written read as zeros"
+    );
     w.close(Duration::from_secs(1));
 }
 
@@ -197,11 +276,39 @@ fn a_shared_file_cannot_be_shrunk_under_its_mapping() {
 fn shared_files_count_against_the_memory_limit() {
     let mut w = Worker::start(&[]);
     call(&mut w, 1, "set_memory_limit", &[], &[], Term::int(4 * MIB as u64)).unwrap();
-    let (op, message) = error_parts(&call(&mut w, 2, "upload_file", &[1], &[], tensor_attrs(&[8 << 20], "u", 8, 8 * MIB)).unwrap_err());
+    let (op, message) = error_parts(
+        &call(
+            &mut w,
+            2,
+            "upload_file",
+            &[1],
+            &[],
+            tensor_attrs(&[8 << 20], "u", 8, 8 * MIB),
+        )
+        .unwrap_err(),
+    );
     assert_eq!(op, "from_binary");
     assert!(message.contains("memory limit exceeded: needs 8.0 MiB"), "{message}");
-    call(&mut w, 3, "upload_file", &[2], &[], tensor_attrs(&[3 << 20], "u", 8, 3 * MIB)).unwrap();
-    let (_, message) = error_parts(&call(&mut w, 4, "upload_file", &[3], &[], tensor_attrs(&[2 << 20], "u", 8, 2 * MIB)).unwrap_err());
+    call(
+        &mut w,
+        3,
+        "upload_file",
+        &[2],
+        &[],
+        tensor_attrs(&[3 << 20], "u", 8, 3 * MIB),
+    )
+    .unwrap();
+    let (_, message) = error_parts(
+        &call(
+            &mut w,
+            4,
+            "upload_file",
+            &[3],
+            &[],
+            tensor_attrs(&[2 << 20], "u", 8, 2 * MIB),
+        )
+        .unwrap_err(),
+    );
     assert!(message.contains("3.0 MiB in use"), "the first file counts: {message}");
     // The refused id is poisoned with the refusal.
     let (op, _) = error_parts(&w.read(5, 1).unwrap_err());
@@ -214,9 +321,24 @@ fn bad_shared_uploads_are_refused_with_the_op_named() {
     let mut w = Worker::start(&[]);
     let attrs = || tensor_attrs(&[4], "u", 8, 4);
     let refusals = [
-        ("upload_file", vec![1u64], tensor_attrs(&[4], "u", 8, 5), "bytes is 5 but the shape and dtype need 4"),
-        ("upload_file", vec![], attrs(), "upload_file defines exactly one id and reads none"),
-        ("upload_file", vec![2], tensor_attrs(&[0], "u", 8, 0), "an empty tensor travels in its from_binary frame"),
+        (
+            "upload_file",
+            vec![1u64],
+            tensor_attrs(&[4], "u", 8, 5),
+            "bytes is 5 but the shape and dtype need 4",
+        ),
+        (
+            "upload_file",
+            vec![],
+            attrs(),
+            "upload_file defines exactly one id and reads none",
+        ),
+        (
+            "upload_file",
+            vec![2],
+            tensor_attrs(&[0], "u", 8, 0),
+            "an empty tensor travels in its from_binary frame",
+        ),
     ];
     for (seq, (op, outs, attrs, why)) in refusals.into_iter().enumerate() {
         let (failed, message) = error_parts(&call(&mut w, seq as u64 + 1, op, &outs, &[], attrs).unwrap_err());
@@ -242,7 +364,8 @@ fn bad_shared_uploads_are_refused_with_the_op_named() {
 fn a_worker_started_without_shared_memory_offers_none_and_answers_through_the_pipe() {
     let mut w = Worker::start(&["--shared-memory", "false"]);
     assert_eq!(offer(&w), nil());
-    let (op, message) = error_parts(&call(&mut w, 1, "upload_file", &[1], &[], tensor_attrs(&[4], "u", 8, 4)).unwrap_err());
+    let (op, message) =
+        error_parts(&call(&mut w, 1, "upload_file", &[1], &[], tensor_attrs(&[4], "u", 8, 4)).unwrap_err());
     assert_eq!(op, "from_binary");
     assert!(message.contains("shared memory is off"), "{message}");
     w.upload_f32(2, &[2], &[1.0, 2.0]);
@@ -257,7 +380,10 @@ fn a_pipe_upload_whose_sender_died_between_chunks_is_dropped_by_its_release() {
     let mut w = Worker::start(&["--chunk-bytes", "1048576"]);
     let attrs = tensor_attrs(&[4 << 20], "u", 8, 4 * MIB);
     w.send(request(0, 3, "from_binary", &[1], &[], attrs), &vec![1u8; MIB]);
-    w.send(request(0, 3, "upload", &[1], &[], Term::int(MIB as u64)), &vec![2u8; MIB]);
+    w.send(
+        request(0, 3, "upload", &[1], &[], Term::int(MIB as u64)),
+        &vec![2u8; MIB],
+    );
     assert_eq!(active(&mut w, 1), 4 * MIB, "the whole buffer waits for the rest");
     // The sender is gone; its handle's release is what comes next.
     w.request(0, "release", &[], &[1], nil());
@@ -278,11 +404,21 @@ fn upload_frames_sent_as_calls_are_refused_at_once() {
     assert_eq!(reply.as_tuple().unwrap()[1], Term::int(5));
     let (op, message) = error_parts(&reply);
     assert_eq!(op, "from_binary");
-    assert!(message.contains("from_binary is fire-and-forget: send it with seq 0"), "{message}");
-    assert_eq!(error_parts(&w.read(6, 1).unwrap_err()).0, "from_binary", "its id is poisoned");
+    assert!(
+        message.contains("from_binary is fire-and-forget: send it with seq 0"),
+        "{message}"
+    );
+    assert_eq!(
+        error_parts(&w.read(6, 1).unwrap_err()).0,
+        "from_binary",
+        "its id is poisoned"
+    );
     // A later chunk with a seq: refused, and the upload it belonged to is dropped.
     w.send(request(0, 3, "from_binary", &[2], &[], attrs), &vec![1u8; MIB]);
-    w.send(request(7, 3, "upload", &[2], &[], Term::int(MIB as u64)), &vec![2u8; MIB]);
+    w.send(
+        request(7, 3, "upload", &[2], &[], Term::int(MIB as u64)),
+        &vec![2u8; MIB],
+    );
     let (op, message) = error_parts(&w.recv().0);
     assert_eq!(op, "upload");
     assert!(message.contains("upload is fire-and-forget"), "{message}");
@@ -307,7 +443,11 @@ fn a_released_uploads_file_is_cached_for_the_next_upload_of_its_size() {
     assert_eq!(cache(&mut w, 2), MIB);
     assert_eq!(active(&mut w, 3), 0);
     let (second, _) = call(&mut w, 4, "upload_file", &[2], &[], attrs()).unwrap();
-    assert_eq!(int(&second, "inode"), int(&first, "inode"), "the same file, its pages in place");
+    assert_eq!(
+        int(&second, "inode"),
+        int(&first, "inode"),
+        "the same file, its pages in place"
+    );
     assert_eq!(cache(&mut w, 5), 0);
     fill(&second, &vec![9u8; MIB]);
     w.request(0, "from_file", &[2], &[], nil());
@@ -319,7 +459,10 @@ fn a_released_uploads_file_is_cached_for_the_next_upload_of_its_size() {
     call(&mut w, 9, "clear_cache", &[], &[], nil()).unwrap();
     assert_eq!(cache(&mut w, 10), 0);
     let open = std::fs::read_dir(format!("/proc/{}/fd", w.pid())).unwrap().filter(|e| {
-        std::fs::read_link(e.as_ref().unwrap().path()).unwrap().to_string_lossy().contains("moat-upload")
+        std::fs::read_link(e.as_ref().unwrap().path())
+            .unwrap()
+            .to_string_lossy()
+            .contains("moat-upload")
     });
     assert_eq!(open.count(), 1, "only the staged file of id 3 is open");
     // A cache limit below a file's size keeps nothing.

@@ -13,7 +13,16 @@ fn hello_announces_version_mlx_and_devices() {
     let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_moat_port"));
     use command_fds::{CommandFdExt, FdMapping};
     cmd.args(["--generation", "7"])
-        .fd_mappings(vec![FdMapping { parent_fd: req_r, child_fd: 3 }, FdMapping { parent_fd: rep_w, child_fd: 4 }])
+        .fd_mappings(vec![
+            FdMapping {
+                parent_fd: req_r,
+                child_fd: 3,
+            },
+            FdMapping {
+                parent_fd: rep_w,
+                child_fd: 4,
+            },
+        ])
         .unwrap();
     let mut child = cmd.spawn().unwrap();
     let mut from: std::fs::File = rep_r.into();
@@ -29,7 +38,12 @@ fn hello_announces_version_mlx_and_devices() {
     assert_eq!(info.get("mlx"), Some(&Term::Binary(b"0.32.4".to_vec())));
     assert_eq!(info.get("generation"), Some(&Term::int(7)));
     assert_eq!(info.get("os_pid"), Some(&Term::int(child.id())));
-    assert!(info.get("devices").unwrap().as_list().unwrap().contains(&Term::atom("cpu")));
+    assert!(info
+        .get("devices")
+        .unwrap()
+        .as_list()
+        .unwrap()
+        .contains(&Term::atom("cpu")));
     drop(req_w);
     assert!(child.wait().unwrap().success());
 }
@@ -78,15 +92,32 @@ fn unknown_ops_ids_arity_and_attrs_are_clear_errors() {
     let mut w = Worker::start(&[]);
     w.upload_f32(1, &[2], &[1.0, 2.0]);
     w.request(0, "frobnicate", &[2], &[1], typed("f", 32));
-    assert_eq!(error_parts(&w.read(1, 2).unwrap_err()), ("frobnicate".into(), "unknown op frobnicate".into()));
+    assert_eq!(
+        error_parts(&w.read(1, 2).unwrap_err()),
+        ("frobnicate".into(), "unknown op frobnicate".into())
+    );
     w.request(0, "add", &[3], &[1], typed("f", 32));
-    assert!(error_parts(&w.read(2, 3).unwrap_err()).1.contains("add takes 2 inputs, got 1"));
+    assert!(error_parts(&w.read(2, 3).unwrap_err())
+        .1
+        .contains("add takes 2 inputs, got 1"));
     w.request(0, "add", &[4], &[1, 99], typed("f", 32));
-    assert!(error_parts(&w.read(3, 4).unwrap_err()).1.contains("unknown tensor id 99"));
-    w.request(0, "astype", &[5], &[1], moat_port::protocol::map(vec![("type", Term::atom("float"))]));
-    assert!(error_parts(&w.read(4, 5).unwrap_err()).1.contains("unsupported type :float"));
+    assert!(error_parts(&w.read(3, 4).unwrap_err())
+        .1
+        .contains("unknown tensor id 99"));
+    w.request(
+        0,
+        "astype",
+        &[5],
+        &[1],
+        moat_port::protocol::map(vec![("type", Term::atom("float"))]),
+    );
+    assert!(error_parts(&w.read(4, 5).unwrap_err())
+        .1
+        .contains("unsupported type :float"));
     w.request(0, "add", &[1], &[1, 1], typed("f", 32));
-    assert!(error_parts(&w.read(5, 1).unwrap_err()).1.contains("tensor id 1 is already defined"));
+    assert!(error_parts(&w.read(5, 1).unwrap_err())
+        .1
+        .contains("tensor id 1 is already defined"));
 }
 
 #[test]
@@ -97,7 +128,10 @@ fn stale_generations_are_refused() {
     let (reply, _) = w.recv();
     let (op, message) = error_parts(&reply);
     assert_eq!(op, "stale_generation");
-    assert!(message.contains("generation 2") && message.contains("generation 3"), "{message}");
+    assert!(
+        message.contains("generation 2") && message.contains("generation 3"),
+        "{message}"
+    );
 }
 
 #[test]
@@ -108,7 +142,10 @@ fn large_tensors_travel_in_chunks_both_ways() {
     let attrs = tensor_attrs(&[10_000], "f", 32, bytes.len());
     w.send(request(0, 3, "from_binary", &[1], &[], attrs), &bytes[..1000]);
     for (i, chunk) in bytes[1000..].chunks(1000).enumerate() {
-        w.send(request(0, 3, "upload", &[1], &[], Term::int(1000 * (i as u64 + 1))), chunk);
+        w.send(
+            request(0, 3, "upload", &[1], &[], Term::int(1000 * (i as u64 + 1))),
+            chunk,
+        );
     }
     assert_eq!(w.read_f32(1, 1), values);
 }
@@ -151,7 +188,9 @@ fn release_forgets_ids() {
     let mut w = Worker::start(&[]);
     w.upload_f32(1, &[1], &[1.0]);
     w.request(0, "release", &[], &[1], nil());
-    assert!(error_parts(&w.read(1, 1).unwrap_err()).1.contains("unknown tensor id 1"));
+    assert!(error_parts(&w.read(1, 1).unwrap_err())
+        .1
+        .contains("unknown tensor id 1"));
 }
 
 #[test]

@@ -47,11 +47,15 @@ defmodule Moat.BackendBPropertiesTest do
       updates_shape = List.to_tuple([n | rest])
       # Sums of duplicates: exact values, so the order of the additions
       # cannot show. Puts of any values.
-      same([tensor(shape, target_type, @exact), idx, tensor(updates_shape, updates_type, @exact)],
-        &Nx.indexed_add(&1, &2, &3, axes: axes))
+      same(
+        [tensor(shape, target_type, @exact), idx, tensor(updates_shape, updates_type, @exact)],
+        &Nx.indexed_add(&1, &2, &3, axes: axes)
+      )
 
-      same([tensor(shape, target_type), idx, tensor(updates_shape, updates_type)],
-        &Nx.indexed_put(&1, &2, &3, axes: axes))
+      same(
+        [tensor(shape, target_type), idx, tensor(updates_shape, updates_type)],
+        &Nx.indexed_put(&1, &2, &3, axes: axes)
+      )
     end)
   end
 

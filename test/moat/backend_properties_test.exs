@@ -191,8 +191,9 @@ defmodule Moat.BackendPropertiesTest do
         a = tensor(s, one_of(real_types()), range: {-3, 3})
         b = tensor(broadcastable(s), one_of(real_types()), range: {-3, 3})
 
-        for name <- [:equal, :not_equal, :greater, :less, :greater_equal, :less_equal] ++
-                      [:logical_and, :logical_or, :logical_xor] do
+        for name <-
+              [:equal, :not_equal, :greater, :less, :greater_equal, :less_equal] ++
+                [:logical_and, :logical_or, :logical_xor] do
           same([a, b], &apply(Nx, name, [&1, &2]), label: name)
         end
 
@@ -313,7 +314,7 @@ defmodule Moat.BackendPropertiesTest do
         reversed = subset(Nx.axes(s))
         same([t], &Nx.reverse(&1, axes: reversed))
         same([t], &Nx.broadcast(&1, Tuple.insert_at(s, 0, 2)))
-        same([t], &Nx.new_axis(&1, 0) |> Nx.broadcast(Tuple.insert_at(s, 0, 3), axes: Enum.to_list(0..tuple_size(s))))
+        same([t], &(Nx.new_axis(&1, 0) |> Nx.broadcast(Tuple.insert_at(s, 0, 3), axes: Enum.to_list(0..tuple_size(s)))))
       end)
     end
 
@@ -321,6 +322,7 @@ defmodule Moat.BackendPropertiesTest do
       check(:pad, @cases, fn ->
         s = shape(rank: 1..3)
         t = tensor(s, one_of(real_types()))
+
         config =
           for d <- Tuple.to_list(s) do
             {lo, hi, i} = {int(-d, 3), int(-d, 3), int(0, 2)}

@@ -115,7 +115,6 @@ defmodule Moat.MemoryTest do
       assert Nx.to_flat_list(base) == [1.0]
     end
 
-
     test "releases what it created except what it returns, wherever it is", %{worker: w} do
       base = tensor(w, [1.0, 2.0])
       parent = self()

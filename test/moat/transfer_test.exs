@@ -245,8 +245,10 @@ defmodule Moat.TransferTest do
         else
           assert %Error{reason: reason, op: op, message: message} = result
           assert reason in [:worker_died, :worker_unavailable, :stale_generation], inspect(result)
+
           assert op in [:to_binary, :from_binary, :eval] or (reason == :worker_unavailable and op == nil),
                  inspect(result)
+
           assert message =~ ~r/SIGKILL|restarted|not running|no Moat worker|port is closed/, message
         end
       end

@@ -55,6 +55,7 @@ defmodule Moat.WorkerTest do
       # The worker would answer an id it does not hold with a Moat.Error: an
       # ArgumentError comes from the client.
       assert_raise ArgumentError, message, fn -> Moat.eval([a, b]) end
+
       assert_raise ArgumentError, ~r/^async_eval: tensor #{a.id} belongs to worker :mixed_one/, fn ->
         Moat.async_eval([b, a])
       end
@@ -89,7 +90,10 @@ defmodule Moat.WorkerTest do
 
       ref = Moat.from_binary(f32([1.0, 2.0]), {2}, {:f, 32})
       Moat.to_binary(ref)
-      assert_receive {:telemetry, [:moat, :to_binary, :stop], %{duration: d}, %{shape: {2}, dtype: {:f, 32}, byte_size: 8}}
+
+      assert_receive {:telemetry, [:moat, :to_binary, :stop], %{duration: d},
+                      %{shape: {2}, dtype: {:f, 32}, byte_size: 8}}
+
       assert d > 0
       Moat.eval([ref, ref])
       assert_receive {:telemetry, [:moat, :eval, :stop], %{duration: _}, %{count: 2}}
@@ -212,14 +216,24 @@ defmodule Moat.WorkerTest do
       Process.sleep(:infinity)
       """
 
-      port = Port.open({:spawn_executable, elixir}, [:binary, :exit_status, :stderr_to_stdout, args: paths ++ ["-e", script]])
+      port =
+        Port.open({:spawn_executable, elixir}, [:binary, :exit_status, :stderr_to_stdout, args: paths ++ ["-e", script]])
+
       {vm, worker} = read_pids(port, "")
       # Let the worker get deep into MLX, where it no longer reads its input.
       eventually(fn -> busy?(worker) end, 10_000)
       holders = Path.wildcard("/proc/#{worker}/task/*/children") |> Enum.flat_map(&String.split(File.read!(&1)))
       kill(vm)
       eventually(fn -> not os_alive?(worker) and not Enum.any?(holders, &os_alive?/1) end, 1_000)
-      Moat.Reliability.record(:crashes, "VM SIGKILLed while the worker is busy in MLX", 1, 1, 0, "worker and its input holder gone within 1 s")
+
+      Moat.Reliability.record(
+        :crashes,
+        "VM SIGKILLed while the worker is busy in MLX",
+        1,
+        1,
+        0,
+        "worker and its input holder gone within 1 s"
+      )
     end
   end
 

@@ -6,9 +6,7 @@ defmodule Moat.Case do
 
   @doc "Starts a private worker under the test supervisor; returns its name."
   def start_worker(name, opts \\ []) do
-    ExUnit.Callbacks.start_supervised!(
-      Supervisor.child_spec({Moat.Worker, Keyword.put(opts, :name, name)}, id: name)
-    )
+    ExUnit.Callbacks.start_supervised!(Supervisor.child_spec({Moat.Worker, Keyword.put(opts, :name, name)}, id: name))
 
     name
   end

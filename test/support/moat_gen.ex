@@ -230,7 +230,9 @@ defmodule Moat.Gen do
     do: assert_close(Tuple.to_list(expected), Tuple.to_list(actual), opts)
 
   def assert_close(expected, actual, opts) when is_list(expected) and is_list(actual) do
-    assert length(actual) == length(expected), "#{length(actual)} results, expected #{length(expected)}\n#{opts[:context]}"
+    assert length(actual) == length(expected),
+           "#{length(actual)} results, expected #{length(expected)}\n#{opts[:context]}"
+
     Enum.zip(expected, actual) |> Enum.each(fn {e, a} -> assert_close(e, a, opts) end)
   end
 

@@ -117,7 +117,11 @@ impl Array {
         super::eval(&[self])?;
         // SAFETY: `self.raw` is live and evaluated.
         let dense = unsafe { ffi::moat_array_row_contiguous(self.raw) } == 1;
-        let array = if dense { self.share()? } else { super::ops::contiguous(self)? };
+        let array = if dense {
+            self.share()?
+        } else {
+            super::ops::contiguous(self)?
+        };
         super::eval(&[&array])?;
         Ok(Evaluated { array })
     }
@@ -200,7 +204,11 @@ impl Buffer {
         // SAFETY: both out-pointers are valid for the call.
         check(unsafe { ffi::moat_buffer_alloc(len, &mut raw, &mut data) })
             .map_err(|e| Error::new(format!("cannot allocate {len} bytes: {e}")))?;
-        Ok(Buffer { raw, data: data as *mut u8, len })
+        Ok(Buffer {
+            raw,
+            data: data as *mut u8,
+            len,
+        })
     }
 
     pub fn len(&self) -> usize {

@@ -100,15 +100,38 @@ extern "C" {
         ndim: usize,
         out: *mut *mut moat_array,
     ) -> c_int;
-    pub fn moat_concatenate(arrays: *const *const moat_array, n: usize, axis: c_int, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_concatenate(
+        arrays: *const *const moat_array,
+        n: usize,
+        axis: c_int,
+        out: *mut *mut moat_array,
+    ) -> c_int;
     pub fn moat_stack(arrays: *const *const moat_array, n: usize, axis: c_int, out: *mut *mut moat_array) -> c_int;
-    pub fn moat_where(cond: *const moat_array, a: *const moat_array, b: *const moat_array, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_where(
+        cond: *const moat_array,
+        a: *const moat_array,
+        b: *const moat_array,
+        out: *mut *mut moat_array,
+    ) -> c_int;
 
     // -- creation
-    pub fn moat_full(shape: *const i32, ndim: usize, value: *const moat_array, dtype: c_int, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_full(
+        shape: *const i32,
+        ndim: usize,
+        value: *const moat_array,
+        dtype: c_int,
+        out: *mut *mut moat_array,
+    ) -> c_int;
     pub fn moat_arange(start: f64, stop: f64, step: f64, dtype: c_int, out: *mut *mut moat_array) -> c_int;
     pub fn moat_eye(n: c_int, m: c_int, k: c_int, dtype: c_int, out: *mut *mut moat_array) -> c_int;
-    pub fn moat_pad(a: *const moat_array, low: *const i32, high: *const i32, ndim: usize, value: *const moat_array, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_pad(
+        a: *const moat_array,
+        low: *const i32,
+        high: *const i32,
+        ndim: usize,
+        value: *const moat_array,
+        out: *mut *mut moat_array,
+    ) -> c_int;
     pub fn moat_as_strided(
         a: *const moat_array,
         shape: *const i32,
@@ -187,11 +210,41 @@ extern "C" {
         keepdims: c_int,
         out: *mut *mut moat_array,
     ) -> c_int;
-    pub fn moat_prod(a: *const moat_array, axes: *const i32, naxes: usize, keepdims: c_int, out: *mut *mut moat_array) -> c_int;
-    pub fn moat_max(a: *const moat_array, axes: *const i32, naxes: usize, keepdims: c_int, out: *mut *mut moat_array) -> c_int;
-    pub fn moat_min(a: *const moat_array, axes: *const i32, naxes: usize, keepdims: c_int, out: *mut *mut moat_array) -> c_int;
-    pub fn moat_all(a: *const moat_array, axes: *const i32, naxes: usize, keepdims: c_int, out: *mut *mut moat_array) -> c_int;
-    pub fn moat_any(a: *const moat_array, axes: *const i32, naxes: usize, keepdims: c_int, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_prod(
+        a: *const moat_array,
+        axes: *const i32,
+        naxes: usize,
+        keepdims: c_int,
+        out: *mut *mut moat_array,
+    ) -> c_int;
+    pub fn moat_max(
+        a: *const moat_array,
+        axes: *const i32,
+        naxes: usize,
+        keepdims: c_int,
+        out: *mut *mut moat_array,
+    ) -> c_int;
+    pub fn moat_min(
+        a: *const moat_array,
+        axes: *const i32,
+        naxes: usize,
+        keepdims: c_int,
+        out: *mut *mut moat_array,
+    ) -> c_int;
+    pub fn moat_all(
+        a: *const moat_array,
+        axes: *const i32,
+        naxes: usize,
+        keepdims: c_int,
+        out: *mut *mut moat_array,
+    ) -> c_int;
+    pub fn moat_any(
+        a: *const moat_array,
+        axes: *const i32,
+        naxes: usize,
+        keepdims: c_int,
+        out: *mut *mut moat_array,
+    ) -> c_int;
     pub fn moat_argmax(a: *const moat_array, axis: c_int, keepdims: c_int, out: *mut *mut moat_array) -> c_int;
     pub fn moat_argmin(a: *const moat_array, axis: c_int, keepdims: c_int, out: *mut *mut moat_array) -> c_int;
     pub fn moat_cumsum(a: *const moat_array, axis: c_int, reverse: c_int, out: *mut *mut moat_array) -> c_int;
@@ -202,10 +255,28 @@ extern "C" {
     pub fn moat_argsort(a: *const moat_array, axis: c_int, out: *mut *mut moat_array) -> c_int;
 
     // -- indexing
-    pub fn moat_take(a: *const moat_array, indices: *const moat_array, axis: c_int, out: *mut *mut moat_array) -> c_int;
-    pub fn moat_take_along_axis(a: *const moat_array, indices: *const moat_array, axis: c_int, out: *mut *mut moat_array) -> c_int;
-    pub fn moat_scatter(a: *const moat_array, indices: *const moat_array, updates: *const moat_array, axis: c_int, out: *mut *mut moat_array) -> c_int;
-    pub fn moat_scatter_add(a: *const moat_array, indices: *const moat_array, updates: *const moat_array, axis: c_int, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_take(a: *const moat_array, indices: *const moat_array, axis: c_int, out: *mut *mut moat_array)
+        -> c_int;
+    pub fn moat_take_along_axis(
+        a: *const moat_array,
+        indices: *const moat_array,
+        axis: c_int,
+        out: *mut *mut moat_array,
+    ) -> c_int;
+    pub fn moat_scatter(
+        a: *const moat_array,
+        indices: *const moat_array,
+        updates: *const moat_array,
+        axis: c_int,
+        out: *mut *mut moat_array,
+    ) -> c_int;
+    pub fn moat_scatter_add(
+        a: *const moat_array,
+        indices: *const moat_array,
+        updates: *const moat_array,
+        axis: c_int,
+        out: *mut *mut moat_array,
+    ) -> c_int;
     pub fn moat_slice_dynamic(
         a: *const moat_array,
         start: *const moat_array,
@@ -231,7 +302,12 @@ extern "C" {
     pub fn moat_lu(a: *const moat_array, outs: *mut *mut moat_array) -> c_int;
     pub fn moat_cholesky(a: *const moat_array, upper: c_int, out: *mut *mut moat_array) -> c_int;
     pub fn moat_solve(a: *const moat_array, b: *const moat_array, out: *mut *mut moat_array) -> c_int;
-    pub fn moat_solve_triangular(a: *const moat_array, b: *const moat_array, upper: c_int, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_solve_triangular(
+        a: *const moat_array,
+        b: *const moat_array,
+        upper: c_int,
+        out: *mut *mut moat_array,
+    ) -> c_int;
 
     // -- windows and convolution
     pub fn moat_conv_general(
@@ -248,8 +324,32 @@ extern "C" {
     ) -> c_int;
 
     // -- fft
-    pub fn moat_fftn(a: *const moat_array, n: *const i32, axes: *const i32, k: usize, out: *mut *mut moat_array) -> c_int;
-    pub fn moat_ifftn(a: *const moat_array, n: *const i32, axes: *const i32, k: usize, out: *mut *mut moat_array) -> c_int;
-    pub fn moat_rfftn(a: *const moat_array, n: *const i32, axes: *const i32, k: usize, out: *mut *mut moat_array) -> c_int;
-    pub fn moat_irfftn(a: *const moat_array, n: *const i32, axes: *const i32, k: usize, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_fftn(
+        a: *const moat_array,
+        n: *const i32,
+        axes: *const i32,
+        k: usize,
+        out: *mut *mut moat_array,
+    ) -> c_int;
+    pub fn moat_ifftn(
+        a: *const moat_array,
+        n: *const i32,
+        axes: *const i32,
+        k: usize,
+        out: *mut *mut moat_array,
+    ) -> c_int;
+    pub fn moat_rfftn(
+        a: *const moat_array,
+        n: *const i32,
+        axes: *const i32,
+        k: usize,
+        out: *mut *mut moat_array,
+    ) -> c_int;
+    pub fn moat_irfftn(
+        a: *const moat_array,
+        n: *const i32,
+        axes: *const i32,
+        k: usize,
+        out: *mut *mut moat_array,
+    ) -> c_int;
 }

@@ -7,7 +7,16 @@ use std::ffi::CStr;
 
 /// Ops whose result shares its input's buffer on the CPU: evaluating them
 /// allocates nothing.
-const VIEWS: &[&str] = &["Broadcast", "BroadcastAxes", "Transpose", "Slice", "AsStrided", "ExpandDims", "Squeeze", "View"];
+const VIEWS: &[&str] = &[
+    "Broadcast",
+    "BroadcastAxes",
+    "Transpose",
+    "Slice",
+    "AsStrided",
+    "ExpandDims",
+    "Squeeze",
+    "View",
+];
 
 /// Ops that share their input's buffer when it is dense, and copy otherwise.
 const RESHAPES: &[&str] = &["Reshape", "Flatten", "Unflatten"];
@@ -83,7 +92,11 @@ impl Array {
     pub fn result_bytes(&self) -> Result<usize> {
         // SAFETY: `self.raw()` is live; the name is a static string or null.
         let name = unsafe { ffi::moat_array_primitive(self.raw()) };
-        let name = if name.is_null() { "" } else { unsafe { CStr::from_ptr(name) }.to_str().unwrap_or("") };
+        let name = if name.is_null() {
+            ""
+        } else {
+            unsafe { CStr::from_ptr(name) }.to_str().unwrap_or("")
+        };
         if VIEWS.contains(&name) {
             return Ok(0);
         }
@@ -106,13 +119,17 @@ impl Array {
     fn inputs(&self) -> Result<Vec<Array>> {
         // SAFETY: `self.raw()` is live and `i` is below the input count.
         let n = unsafe { ffi::moat_array_num_inputs(self.raw()) };
-        (0..n).map(|i| Array::from_call(|out| unsafe { ffi::moat_array_input(self.raw(), i, out) })).collect()
+        (0..n)
+            .map(|i| Array::from_call(|out| unsafe { ffi::moat_array_input(self.raw(), i, out) }))
+            .collect()
     }
 
     fn siblings(&self) -> Result<Vec<Array>> {
         // SAFETY: `self.raw()` is live and `i` is below the sibling count.
         let n = unsafe { ffi::moat_array_num_siblings(self.raw()) };
-        (0..n).map(|i| Array::from_call(|out| unsafe { ffi::moat_array_sibling(self.raw(), i, out) })).collect()
+        (0..n)
+            .map(|i| Array::from_call(|out| unsafe { ffi::moat_array_sibling(self.raw(), i, out) }))
+            .collect()
     }
 }
 
@@ -131,7 +148,10 @@ pub struct Pending {
 pub fn pending(arrays: &[&Array]) -> Result<Vec<Pending>> {
     let mut seen = HashSet::new();
     let mut order = Vec::new();
-    let mut stack: Vec<(Array, bool)> = arrays.iter().map(|a| a.share().map(|a| (a, false))).collect::<Result<_>>()?;
+    let mut stack: Vec<(Array, bool)> = arrays
+        .iter()
+        .map(|a| a.share().map(|a| (a, false)))
+        .collect::<Result<_>>()?;
     while let Some((node, expanded)) = stack.pop() {
         if expanded {
             let mut bytes = node.result_bytes()?;
@@ -155,5 +175,7 @@ pub fn pending(arrays: &[&Array]) -> Result<Vec<Pending>> {
 
 /// The sum of `pending(arrays)`'s bytes.
 pub fn pending_bytes(arrays: &[&Array]) -> Result<usize> {
-    Ok(pending(arrays)?.iter().fold(0usize, |sum, p| sum.saturating_add(p.bytes)))
+    Ok(pending(arrays)?
+        .iter()
+        .fold(0usize, |sum, p| sum.saturating_add(p.bytes)))
 }

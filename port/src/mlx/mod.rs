@@ -33,7 +33,9 @@ impl std::error::Error for Error {}
 
 impl Error {
     pub fn new(message: impl Into<String>) -> Error {
-        Error { message: message.into() }
+        Error {
+            message: message.into(),
+        }
     }
 }
 
@@ -58,7 +60,9 @@ fn check(code: c_int) -> Result<()> {
 
 pub fn version() -> String {
     // SAFETY: MLX returns a static NUL-terminated string.
-    unsafe { CStr::from_ptr(ffi::moat_mlx_version()) }.to_string_lossy().into_owned()
+    unsafe { CStr::from_ptr(ffi::moat_mlx_version()) }
+        .to_string_lossy()
+        .into_owned()
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

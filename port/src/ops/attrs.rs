@@ -11,11 +11,17 @@ pub fn dtype(t: &Term) -> Result<Dtype, AttrError> {
 }
 
 pub fn int(t: &Term) -> Result<i32, AttrError> {
-    t.as_int().and_then(|i| i32::try_from(i).ok()).ok_or_else(|| format!("expected a 32-bit integer, got {t}"))
+    t.as_int()
+        .and_then(|i| i32::try_from(i).ok())
+        .ok_or_else(|| format!("expected a 32-bit integer, got {t}"))
 }
 
 pub fn ints(t: &Term) -> Result<Vec<i32>, AttrError> {
-    t.as_list().ok_or_else(|| format!("expected a list of integers, got {t}"))?.iter().map(int).collect()
+    t.as_list()
+        .ok_or_else(|| format!("expected a list of integers, got {t}"))?
+        .iter()
+        .map(int)
+        .collect()
 }
 
 pub fn float(t: &Term) -> Result<f64, AttrError> {

@@ -7,7 +7,6 @@ pub fn is_complex(d: Dtype) -> bool {
     d == Dtype::C64
 }
 
-
 pub fn is_unsigned(d: Dtype) -> bool {
     matches!(d, Dtype::Bool | Dtype::U8 | Dtype::U16 | Dtype::U32 | Dtype::U64)
 }
@@ -32,7 +31,11 @@ pub fn int_bounds(d: Dtype) -> (i128, i128) {
 
 /// A 0-d array of `dtype` holding the integer `v` (wrapped to the type).
 pub fn int_scalar(v: i128, dtype: Dtype) -> Result<Array> {
-    let s = if v > i64::MAX as i128 { ops::scalar_u64(v as u64)? } else { ops::scalar_i64(v as i64)? };
+    let s = if v > i64::MAX as i128 {
+        ops::scalar_u64(v as u64)?
+    } else {
+        ops::scalar_i64(v as i64)?
+    };
     retype(s, dtype)
 }
 

@@ -5,7 +5,10 @@ use crate::mlx::{ops, Array, Dtype, Result};
 use crate::term::Term;
 
 fn shape_and_type(a: &Term) -> std::result::Result<(Vec<i32>, Dtype), String> {
-    Ok((attrs::ints(attrs::field(a, "shape")?)?, attrs::dtype(attrs::field(a, "type")?)?))
+    Ok((
+        attrs::ints(attrs::field(a, "shape")?)?,
+        attrs::dtype(attrs::field(a, "type")?)?,
+    ))
 }
 
 /// `value` (one element's bytes, Nx's layout) repeated over `shape`.
@@ -15,9 +18,16 @@ pub fn constant(_: &[&Array], a: &Term) -> Outputs {
         return Err("value must be a binary holding one element".into());
     };
     if bytes.len() != t.size() {
-        return Err(format!("value has {} bytes, one {t:?} element has {}", bytes.len(), t.size()));
+        return Err(format!(
+            "value has {} bytes, one {t:?} element has {}",
+            bytes.len(),
+            t.size()
+        ));
     }
-    finish(ops::scalar_from_bytes(bytes, t).and_then(|v| ops::full(&shape, &v, t)), a)
+    finish(
+        ops::scalar_from_bytes(bytes, t).and_then(|v| ops::full(&shape, &v, t)),
+        a,
+    )
 }
 
 /// Counts along `axis` (or through the flattened shape when `axis` is nil).
@@ -39,7 +49,9 @@ pub fn iota(_: &[&Array], a: &Term) -> Outputs {
             let i = i.ok_or_else(|| format!("axis {axis} is out of range for shape {shape:?}"))?;
             let mut aligned = vec![1; shape.len()];
             aligned[i] = shape[i];
-            count(shape[i] as i64).and_then(|r| ops::reshape(&r, &aligned)).and_then(|r| ops::broadcast_to(&r, &shape))
+            count(shape[i] as i64)
+                .and_then(|r| ops::reshape(&r, &aligned))
+                .and_then(|r| ops::broadcast_to(&r, &shape))
         }
     };
     finish(result, a)

@@ -191,14 +191,20 @@ pub fn imag(x: &[&Array], a: &Term) -> Outputs {
 pub fn cbrt(x: &[&Array], a: &Term) -> Outputs {
     let t = to_out_type(x[0], a)?;
     if is_complex(t.dtype()) {
-        return finish(float_scalar(1.0 / 3.0, t.dtype()).and_then(|third| ops::power(&t, &third)), a);
+        return finish(
+            float_scalar(1.0 / 3.0, t.dtype()).and_then(|third| ops::power(&t, &third)),
+            a,
+        );
     }
     let root = || -> Result<Array> {
         let x = ops::astype(&t, Dtype::F64)?;
         let third = float_scalar(1.0 / 3.0, Dtype::F64)?;
         let y = ops::multiply(&ops::sign(&x)?, &ops::power(&ops::abs(&x)?, &third)?)?;
         let y2 = ops::multiply(&y, &y)?;
-        let step = ops::divide(&ops::subtract(&ops::multiply(&y2, &y)?, &x)?, &ops::multiply(&y2, &float_scalar(3.0, Dtype::F64)?)?)?;
+        let step = ops::divide(
+            &ops::subtract(&ops::multiply(&y2, &y)?, &x)?,
+            &ops::multiply(&y2, &float_scalar(3.0, Dtype::F64)?)?,
+        )?;
         let keep = ops::logical_or(&ops::equal(&y, &zero(Dtype::F64)?)?, &ops::isinf(&y)?)?;
         ops::where_(&keep, &y, &ops::subtract(&y, &step)?)
     };
@@ -254,7 +260,11 @@ pub fn right_shift(x: &[&Array], a: &Term) -> Outputs {
     let t = l.dtype();
     let compute = || -> Result<Array> {
         let (out_of_range, amount) = shift_amount(&r)?;
-        let shifted_out = if is_unsigned(t) { zero(t)? } else { ops::right_shift(&l, &int_scalar(bits(t) as i128 - 1, t)?)? };
+        let shifted_out = if is_unsigned(t) {
+            zero(t)?
+        } else {
+            ops::right_shift(&l, &int_scalar(bits(t) as i128 - 1, t)?)?
+        };
         ops::where_(&out_of_range, &shifted_out, &ops::right_shift(&l, &amount)?)
     };
     finish(compute(), a)

@@ -24,7 +24,10 @@ pub fn gather(x: &[&Array], a: &Term) -> Outputs {
     };
     let flat = Indexed::new(tensor, &axes)?;
     if depth as usize != axes.len() {
-        return Err(format!("indices have depth {depth} but {} axes are indexed", axes.len()));
+        return Err(format!(
+            "indices have depth {depth} but {} axes are indexed",
+            axes.len()
+        ));
     }
     let linear = flat.linear(&read_indices(indices)?, &shape)?;
     let idx = index_array(&linear, outer, flat.rows())?;
@@ -76,7 +79,9 @@ fn indexed(x: &[&Array], a: &Term, combine: Combine) -> Outputs {
     // MLX's scatter writes each update slice without checking that it fits.
     let (ushape, rest) = (updates.shape(), &flat.permuted[axes.len()..]);
     if ushape.len() != rest.len() + 1 || ushape[0] != ishape[0] || ushape[1..].iter().zip(rest).any(|(u, t)| u > t) {
-        return Err(format!("updates of shape {ushape:?} do not fit indices {ishape:?} into {shape:?}"));
+        return Err(format!(
+            "updates of shape {ushape:?} do not fit indices {ishape:?} into {shape:?}"
+        ));
     }
     let mut linear = flat.linear(&read_indices(x[1])?, &shape)?;
     if linear.is_empty() {
@@ -129,7 +134,13 @@ impl Indexed {
         let mut merged = vec![rows];
         merged.extend(rest.iter().map(|&ax| shape[ax as usize]));
         let array = ops::reshape(&ops::transpose(tensor, &perm)?, &merged)?;
-        Ok(Indexed { array, axes: axes.to_vec(), dims, permuted, perm })
+        Ok(Indexed {
+            array,
+            axes: axes.to_vec(),
+            dims,
+            permuted,
+            perm,
+        })
     }
 
     fn rows(&self) -> i64 {
@@ -145,13 +156,17 @@ impl Indexed {
         values
             .chunks(k)
             .map(|tuple| {
-                tuple.iter().zip(&self.dims).zip(&self.axes).try_fold(0i64, |acc, ((&i, &dim), &axis)| {
-                    if i < 0 || i >= dim {
-                        Err(format!("index {i} is out of bounds for axis {axis} in shape {shape:?}"))
-                    } else {
-                        Ok(acc * dim + i)
-                    }
-                })
+                tuple
+                    .iter()
+                    .zip(&self.dims)
+                    .zip(&self.axes)
+                    .try_fold(0i64, |acc, ((&i, &dim), &axis)| {
+                        if i < 0 || i >= dim {
+                            Err(format!("index {i} is out of bounds for axis {axis} in shape {shape:?}"))
+                        } else {
+                            Ok(acc * dim + i)
+                        }
+                    })
             })
             .collect()
     }
@@ -198,7 +213,9 @@ fn index_array(linear: &[i64], shape: &[i32], rows: i64) -> Result<Array, String
 /// Checks that every element of `indices` addresses `tensor` along `axis`.
 fn check_axis_indices(tensor: &Array, indices: &Array, axis: i32) -> Result<(), String> {
     let shape = tensor.shape();
-    let dim = *shape.get(axis as usize).ok_or_else(|| format!("axis {axis} is out of range for shape {shape:?}"))?;
+    let dim = *shape
+        .get(axis as usize)
+        .ok_or_else(|| format!("axis {axis} is out of range for shape {shape:?}"))?;
     match read_indices(indices)?.into_iter().find(|&i| i < 0 || i >= dim as i64) {
         Some(i) => Err(format!("index {i} is out of bounds for axis {axis} in shape {shape:?}")),
         None => Ok(()),
@@ -251,7 +268,9 @@ pub fn put_slice(x: &[&Array], a: &Term) -> Outputs {
 
 /// The start indices as one s64 vector, each clamped to `0..=dim - length`.
 fn clamped_starts(starts: &Term, tensors: &[&Array], shape: &[i32], lengths: &[i32]) -> Result<Array, String> {
-    let starts = starts.as_list().ok_or_else(|| format!("starts must be a list, got {starts}"))?;
+    let starts = starts
+        .as_list()
+        .ok_or_else(|| format!("starts must be a list, got {starts}"))?;
     if starts.len() != shape.len() || lengths.len() != shape.len() {
         return Err(format!("one start and length per axis of shape {shape:?}"));
     }
@@ -266,8 +285,11 @@ fn clamped_starts(starts: &Term, tensors: &[&Array], shape: &[i32], lengths: &[i
                 let t = ops::reshape(t, &[1])?;
                 // Unsigned starts are capped in their own type so the cast
                 // to s64 cannot wrap them negative.
-                let t =
-                    if matches!(t.dtype(), Dtype::U64) { ops::minimum(&t, &Array::scalar(high as u64)?)? } else { t };
+                let t = if matches!(t.dtype(), Dtype::U64) {
+                    ops::minimum(&t, &Array::scalar(high as u64)?)?
+                } else {
+                    t
+                };
                 let t = ops::astype(&t, Dtype::S64)?;
                 ops::minimum(&ops::maximum(&t, &Array::scalar(0i64)?)?, &Array::scalar(high)?)?
             }

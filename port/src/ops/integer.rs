@@ -104,7 +104,10 @@ pub fn population_count(x: &[&Array], a: &Term) -> Outputs {
 pub fn count_leading_zeros(x: &[&Array], a: &Term) -> Outputs {
     let dtype = x[0].dtype();
     if !is_integer(dtype) {
-        return Err(format!("count_leading_zeros needs an integer type, got {:?}", dtype.nx()));
+        return Err(format!(
+            "count_leading_zeros needs an integer type, got {:?}",
+            dtype.nx()
+        ));
     }
     let u = unsigned(dtype);
     let width = (u.size() * 8) as u64;
@@ -128,7 +131,10 @@ fn popcount(v: &Array) -> Result<Array> {
     let mask = |byte: u64| c(u64::from_le_bytes([byte as u8; 8]));
     let shr = |x: &Array, n: u64| ops::right_shift(x, &c(n)?);
     let v = ops::subtract(v, &ops::bitwise_and(&shr(v, 1)?, &mask(0x55)?)?)?;
-    let v = ops::add(&ops::bitwise_and(&v, &mask(0x33)?)?, &ops::bitwise_and(&shr(&v, 2)?, &mask(0x33)?)?)?;
+    let v = ops::add(
+        &ops::bitwise_and(&v, &mask(0x33)?)?,
+        &ops::bitwise_and(&shr(&v, 2)?, &mask(0x33)?)?,
+    )?;
     let v = ops::bitwise_and(&ops::add(&v, &shr(&v, 4)?)?, &mask(0x0f)?)?;
     if width == 8 {
         return Ok(v);

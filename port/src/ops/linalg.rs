@@ -22,11 +22,22 @@ pub fn matmul(x: &[&Array], a: &Term) -> Outputs {
 /// are the batch axes, then a's free axes, then b's free axes.
 pub fn dot(x: &[&Array], a: &Term) -> Outputs {
     let axes = |key| attrs::ints(attrs::field(a, key)?);
-    let (ca, ba, cb, bb) = (axes("contract_a")?, axes("batch_a")?, axes("contract_b")?, axes("batch_b")?);
+    let (ca, ba, cb, bb) = (
+        axes("contract_a")?,
+        axes("batch_a")?,
+        axes("contract_b")?,
+        axes("batch_b")?,
+    );
     let (l, r) = (to_out_type(x[0], a)?, to_out_type(x[1], a)?);
     let (ls, rs) = (l.shape(), r.shape());
     let dims = |s: &[i32], axes: &[i32]| -> std::result::Result<Vec<i32>, String> {
-        axes.iter().map(|&i| s.get(i as usize).copied().ok_or_else(|| format!("axis {i} out of range"))).collect()
+        axes.iter()
+            .map(|&i| {
+                s.get(i as usize)
+                    .copied()
+                    .ok_or_else(|| format!("axis {i} out of range"))
+            })
+            .collect()
     };
     let free = |rank: usize, c: &[i32], b: &[i32]| -> Vec<i32> {
         (0..rank as i32).filter(|i| !c.contains(i) && !b.contains(i)).collect()
@@ -114,7 +125,11 @@ pub fn triangular_solve(x: &[&Array], a: &Term) -> Outputs {
         other => return Err(format!("unknown transform_a {other}")),
     };
     let vector = b.shape().len() + 1 == am.shape().len();
-    let b = if vector { ops::reshape(&b, &[b.shape(), vec![1]].concat())? } else { b };
+    let b = if vector {
+        ops::reshape(&b, &[b.shape(), vec![1]].concat())?
+    } else {
+        b
+    };
     let solved = if left {
         ops::solve_triangular(&am, &b, !lower)?
     } else {
@@ -148,7 +163,10 @@ pub fn qr(x: &[&Array], a: &Term) -> Outputs {
         // The QR of [a | 0] (square) is a's complete QR: its first n columns
         // are reflected exactly as a's and the zero columns need no
         // reflection, so q is the product of a's n reflections, as in Nx.
-        let zeros = ops::broadcast_to(&float_const(0.0, work)?, &[&shape[..shape.len() - 2], &[m, m - n]].concat())?;
+        let zeros = ops::broadcast_to(
+            &float_const(0.0, work)?,
+            &[&shape[..shape.len() - 2], &[m, m - n]].concat(),
+        )?;
         let [q, r] = ops::qr(&ops::concatenate(&[&am, &zeros], -1)?)?;
         (q, take_last(&r, -1, 0, n)?)
     } else {
@@ -218,7 +236,10 @@ pub fn eigh(x: &[&Array], a: &Term) -> Outputs {
     let columns = ops::broadcast_to(&expand(&order, -2)?, &v.shape())?;
     let v = ops::take_along_axis(&v, &columns, -1)?;
     let v = ops::multiply(&v, &largest_sign(&v, -2)?)?;
-    Ok(vec![finish_one(approximate_zeros(&w, eps)?, a)?, finish_one(approximate_zeros(&v, eps)?, a)?])
+    Ok(vec![
+        finish_one(approximate_zeros(&w, eps)?, a)?,
+        finish_one(approximate_zeros(&v, eps)?, a)?,
+    ])
 }
 
 /// Nx.Block.LinAlg.SVD: `{u, s, vt}`, singular values decreasing, each row
@@ -237,9 +258,15 @@ pub fn svd(x: &[&Array], a: &Term) -> Outputs {
     let (u, vt) = if full {
         let u_signs = pad_ones(&squeeze(&signs_row, -2)?, m - k, work)?;
         let vt_signs = pad_ones(&squeeze(&signs_row, -2)?, n - k, work)?;
-        (ops::multiply(&u, &expand(&u_signs, -2)?)?, ops::multiply(&vt, &expand(&vt_signs, -1)?)?)
+        (
+            ops::multiply(&u, &expand(&u_signs, -2)?)?,
+            ops::multiply(&vt, &expand(&vt_signs, -1)?)?,
+        )
     } else {
-        (ops::multiply(&take_last(&u, -1, 0, k)?, &signs_row)?, ops::multiply(&top, &signs)?)
+        (
+            ops::multiply(&take_last(&u, -1, 0, k)?, &signs_row)?,
+            ops::multiply(&top, &signs)?,
+        )
     };
     // Flipping a zero leaves -0.0; adding +0.0 makes it 0.0 again.
     let zero = float_const(0.0, work)?;
@@ -268,7 +295,11 @@ pub fn solve(x: &[&Array], a: &Term) -> Outputs {
     let (am, b) = (ops::astype(x[0], work)?, ops::astype(x[1], work)?);
     let shape = b.shape();
     let vector = shape.len() + 1 == am.shape().len();
-    let b = if vector { ops::reshape(&b, &[shape.clone(), vec![1]].concat())? } else { b };
+    let b = if vector {
+        ops::reshape(&b, &[shape.clone(), vec![1]].concat())?
+    } else {
+        b
+    };
     finish(ops::reshape(&ops::solve(&am, &b)?, &shape), a)
 }
 
@@ -285,7 +316,10 @@ pub fn determinant(x: &[&Array], a: &Term) -> Outputs {
     let det = match n {
         0 => ops::broadcast_to(&float_const(1.0, work)?, &am.shape()[..am.shape().len() - 2])?,
         1 => e(0, 0)?,
-        2 => ops::subtract(&ops::multiply(&e(0, 0)?, &e(1, 1)?)?, &ops::multiply(&e(0, 1)?, &e(1, 0)?)?)?,
+        2 => ops::subtract(
+            &ops::multiply(&e(0, 0)?, &e(1, 1)?)?,
+            &ops::multiply(&e(0, 1)?, &e(1, 0)?)?,
+        )?,
         3 => {
             let term = |(i, j, k): (i32, i32, i32)| -> Result<Array> {
                 ops::multiply(&ops::multiply(&e(0, i)?, &e(1, j)?)?, &e(2, k)?)
@@ -308,8 +342,15 @@ fn lu_determinant(am: &Array, n: i32) -> Result<Array> {
     let later = ops::greater(&expand(&p, -1)?, &expand(&p, -2)?)?;
     let upper: Vec<u8> = (0..n * n).map(|ij| (ij / n < ij % n) as u8).collect();
     let upper = ops::astype(&Array::from_values(&upper, &[n, n])?, Dtype::Bool)?;
-    let inversions = ops::sum(&ops::astype(&ops::logical_and(&later, &upper)?, Dtype::S32)?, &[-2, -1], false)?;
-    let odd = ops::equal(&ops::remainder(&inversions, &int_const(2, Dtype::S32)?)?, &int_const(1, Dtype::S32)?)?;
+    let inversions = ops::sum(
+        &ops::astype(&ops::logical_and(&later, &upper)?, Dtype::S32)?,
+        &[-2, -1],
+        false,
+    )?;
+    let odd = ops::equal(
+        &ops::remainder(&inversions, &int_const(2, Dtype::S32)?)?,
+        &int_const(1, Dtype::S32)?,
+    )?;
     ops::where_(&odd, &ops::negative(&product)?, &product)
 }
 

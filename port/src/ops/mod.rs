@@ -196,7 +196,10 @@ const TABLE: &[(&str, Arity, Builder)] = &[
 ];
 
 pub fn builder(op: &str) -> Option<(Arity, Builder)> {
-    TABLE.iter().find(|(name, _, _)| *name == op).map(|(_, arity, b)| (*arity, *b))
+    TABLE
+        .iter()
+        .find(|(name, _, _)| *name == op)
+        .map(|(_, arity, b)| (*arity, *b))
 }
 
 /// The single output of an op, converted to the attrs' `type` if it has one.

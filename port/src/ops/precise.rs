@@ -172,7 +172,10 @@ fn sin_cos(x: &Array) -> Result<(Array, Array)> {
     let lost = ops::subtract(&ops::subtract(&k(1.0)?, &w)?, &half_z)?;
     let tail = ops::multiply(&ops::multiply(&z, &z)?, &horner(&z, &COS)?)?;
     let cos_r = ops::add(&w, &ops::add(&lost, &tail)?)?;
-    let q = ops::bitwise_and(&ops::astype(&n, Dtype::S64)?, &super::convert::int_scalar(3, Dtype::S64)?)?;
+    let q = ops::bitwise_and(
+        &ops::astype(&n, Dtype::S64)?,
+        &super::convert::int_scalar(3, Dtype::S64)?,
+    )?;
     let pick = |values: [&Array; 4]| -> Result<Array> {
         let mut out = values[3].share()?;
         for i in (0..3).rev() {
@@ -208,7 +211,10 @@ fn exp_minus_square(a: &Array) -> Result<Array> {
 
 /// erfc(a) for a >= 0 (NaN stays NaN).
 fn erfc_nonnegative(a: &Array) -> Result<Array> {
-    let series = ops::subtract(&k(1.0)?, &ops::multiply(a, &horner(&ops::multiply(a, a)?, &ERF_SMALL)?)?)?;
+    let series = ops::subtract(
+        &k(1.0)?,
+        &ops::multiply(a, &horner(&ops::multiply(a, a)?, &ERF_SMALL)?)?,
+    )?;
     let erfcx_a = clenshaw(&mul_k(&add_k(&mul_k(a, 4.0)?, -5.0)?, 1.0 / 3.0)?, &ERFCX_A)?;
     let erfcx_b = clenshaw(&add_k(a, -3.0)?, &ERFCX_B)?;
     let mut t = a.share()?;
@@ -216,7 +222,11 @@ fn erfc_nonnegative(a: &Array) -> Result<Array> {
         t = ops::add(a, &ops::divide(&k(n as f64 / 2.0)?, &t)?)?;
     }
     let erfcx_cf = ops::divide(&k(FRAC_1_SQRT_PI)?, &t)?;
-    let erfcx = ops::where_(&less_k(a, 2.0)?, &erfcx_a, &ops::where_(&less_k(a, 4.0)?, &erfcx_b, &erfcx_cf)?)?;
+    let erfcx = ops::where_(
+        &less_k(a, 2.0)?,
+        &erfcx_a,
+        &ops::where_(&less_k(a, 4.0)?, &erfcx_b, &erfcx_cf)?,
+    )?;
     let scaled = ops::multiply(&exp_minus_square(a)?, &erfcx)?;
     // Beyond 27.3 erfc underflows to 0 (and the split of a^2 would not hold).
     let scaled = ops::where_(&ops::greater_equal(a, &k(27.3)?)?, &k(0.0)?, &scaled)?;

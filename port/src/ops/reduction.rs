@@ -73,7 +73,11 @@ fn arg_extreme(x: &Array, a: &Term, reduce: ArgReduce) -> Outputs {
             let mut out = shape.clone();
             let slot = usize::try_from(axis).ok().filter(|i| *i < out.len());
             let i = slot.ok_or_else(|| format!("axis {axis} is out of range for shape {shape:?}"))?;
-            if keep { out[i] = 1 } else { out.remove(i); }
+            if keep {
+                out[i] = 1
+            } else {
+                out.remove(i);
+            }
             out
         }
     };
@@ -82,7 +86,11 @@ fn arg_extreme(x: &Array, a: &Term, reduce: ArgReduce) -> Outputs {
             Some(axis) => (x.share()?, axis),
             None => (ops::reshape(x, &[-1])?, 0),
         };
-        let index = if high { last_index(&x, axis, reduce)? } else { ops::astype(&reduce(&x, axis, true)?, Dtype::S64)? };
+        let index = if high {
+            last_index(&x, axis, reduce)?
+        } else {
+            ops::astype(&reduce(&x, axis, true)?, Dtype::S64)?
+        };
         let index = if x.dtype().is_float() && !is_complex(x.dtype()) {
             let nan = ops::isnan(&x)?;
             let last_nan = last_index(&ops::astype(&nan, Dtype::U8)?, axis, ops::argmax)?;
@@ -211,7 +219,9 @@ pub fn top_k(x: &[&Array], a: &Term) -> Outputs {
         ops::slice(&t, &vec![0; stop.len()], &stop, &vec![1; stop.len()])
     };
     let values = sort_values(x[0], axis, true).and_then(first_k).map_err(|e| e.message)?;
-    let indices = sort_indices(x[0], axis, true).and_then(first_k).map_err(|e| e.message)?;
+    let indices = sort_indices(x[0], axis, true)
+        .and_then(first_k)
+        .map_err(|e| e.message)?;
     let t = attrs::dtype(attrs::field(a, "index_type")?)?;
     let indices = cast(&indices, t).map_err(|e| e.message)?;
     Ok(vec![values, indices])
@@ -229,7 +239,10 @@ pub fn all_close(x: &[&Array], a: &Term) -> Outputs {
         let (l, r) = (cast(x[0], t)?, cast(x[1], t)?);
         let real = if is_complex(t) { Dtype::F32 } else { t };
         let diff = ops::abs(&ops::subtract(&l, &r)?)?;
-        let tol = ops::add(&float_scalar(atol, real)?, &ops::multiply(&float_scalar(rtol, real)?, &ops::abs(&r)?)?)?;
+        let tol = ops::add(
+            &float_scalar(atol, real)?,
+            &ops::multiply(&float_scalar(rtol, real)?, &ops::abs(&r)?)?,
+        )?;
         let mut close = ops::less_equal(&diff, &tol)?;
         if !is_integer(t) {
             let inf = ops::logical_or(&ops::isinf(&l)?, &ops::isinf(&r)?)?;

@@ -36,7 +36,10 @@ pub fn broadcast(x: &[&Array], a: &Term) -> Outputs {
         let slot = usize::try_from(*axis).ok().and_then(|i| aligned.get_mut(i));
         *slot.ok_or_else(|| format!("axis {axis} is out of range for shape {shape:?}"))? = dim;
     }
-    finish(ops::reshape(x[0], &aligned).and_then(|r| ops::broadcast_to(&r, &shape)), a)
+    finish(
+        ops::reshape(x[0], &aligned).and_then(|r| ops::broadcast_to(&r, &shape)),
+        a,
+    )
 }
 
 pub fn transpose(x: &[&Array], a: &Term) -> Outputs {
@@ -54,10 +57,15 @@ pub fn reverse(x: &[&Array], a: &Term) -> Outputs {
 /// Nx's pad: per axis `[low, high, interior]`; negative low/high cut.
 pub fn pad(x: &[&Array], a: &Term) -> Outputs {
     let config = attrs::field(a, "config")?.as_list().ok_or("config must be a list")?;
-    let config = config.iter().map(attrs::ints).collect::<std::result::Result<Vec<_>, _>>()?;
+    let config = config
+        .iter()
+        .map(attrs::ints)
+        .collect::<std::result::Result<Vec<_>, _>>()?;
     let shape = x[0].shape();
     if config.len() != shape.len() || config.iter().any(|c| c.len() != 3 || c[2] < 0) {
-        return Err(format!("config needs one [low, high, interior >= 0] per axis of {shape:?}"));
+        return Err(format!(
+            "config needs one [low, high, interior >= 0] per axis of {shape:?}"
+        ));
     }
     let (t, value) = (to_out_type(x[0], a)?, to_out_type(x[1], a)?);
     finish(pad_array(&t, &value, &config), a)
@@ -78,7 +86,11 @@ fn pad_array(x: &Array, value: &Array, config: &[Vec<i32>]) -> Result<Array> {
         strides.push(interior + 1);
     }
     let filled = ops::full(&grown, value, x.dtype())?;
-    let placed = if x.size() == 0 { filled } else { ops::slice_update(&filled, x, &start, &stop, &strides)? };
+    let placed = if x.size() == 0 {
+        filled
+    } else {
+        ops::slice_update(&filled, x, &start, &stop, &strides)?
+    };
     if config.iter().all(|c| c[0] >= 0 && c[1] >= 0) {
         return Ok(placed);
     }
@@ -89,13 +101,19 @@ fn pad_array(x: &Array, value: &Array, config: &[Vec<i32>]) -> Result<Array> {
 
 pub fn concatenate(x: &[&Array], a: &Term) -> Outputs {
     let axis = attrs::int(attrs::field(a, "axis")?)?;
-    let inputs = x.iter().map(|t| to_out_type(t, a)).collect::<std::result::Result<Vec<_>, _>>()?;
+    let inputs = x
+        .iter()
+        .map(|t| to_out_type(t, a))
+        .collect::<std::result::Result<Vec<_>, _>>()?;
     finish(ops::concatenate(&inputs.iter().collect::<Vec<_>>(), axis), a)
 }
 
 pub fn stack(x: &[&Array], a: &Term) -> Outputs {
     let axis = attrs::int(attrs::field(a, "axis")?)?;
-    let inputs = x.iter().map(|t| to_out_type(t, a)).collect::<std::result::Result<Vec<_>, _>>()?;
+    let inputs = x
+        .iter()
+        .map(|t| to_out_type(t, a))
+        .collect::<std::result::Result<Vec<_>, _>>()?;
     finish(ops::stack(&inputs.iter().collect::<Vec<_>>(), axis), a)
 }
 
@@ -122,7 +140,9 @@ pub fn to_batched(x: &[&Array], a: &Term) -> Outputs {
     let size = attrs::int(attrs::field(a, "batch_size")?)?;
     let repeat = attrs::field(a, "leftover")?.is_atom("repeat");
     let shape = x[0].shape();
-    let Some(&n) = shape.first() else { return Err("cannot batch a scalar".into()) };
+    let Some(&n) = shape.first() else {
+        return Err("cannot batch a scalar".into());
+    };
     if size <= 0 {
         return Err(format!("batch size must be positive, got {size}"));
     }
@@ -143,12 +163,16 @@ pub fn to_batched(x: &[&Array], a: &Term) -> Outputs {
         let mut head_stop = shape.clone();
         head_stop[0] = missing;
         let head = ops::slice(x[0], &vec![0; shape.len()], &head_stop, &vec![1; shape.len()]);
-        head.and_then(|h| ops::concatenate(&[x[0], &h], 0)).and_then(|wrapped| batches(&wrapped, full + 1))
+        head.and_then(|h| ops::concatenate(&[x[0], &h], 0))
+            .and_then(|wrapped| batches(&wrapped, full + 1))
     } else {
         batches(x[0], full)
     };
     let arrays = result.map_err(|e| e.message)?;
-    arrays.into_iter().map(|b| finish(Ok(b), a).map(|mut v| v.remove(0))).collect()
+    arrays
+        .into_iter()
+        .map(|b| finish(Ok(b), a).map(|mut v| v.remove(0)))
+        .collect()
 }
 
 /// Another handle to the same (immutable) array.

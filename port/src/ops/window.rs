@@ -38,7 +38,15 @@ pub fn conv(x: &[&Array], a: &Term) -> Outputs {
     let strides = ints("strides")?;
     let mut input_dilation = ints("input_dilation")?;
     let mut kernel_dilation = ints("kernel_dilation")?;
-    if [padding.len(), strides.len(), input_dilation.len(), kernel_dilation.len()].iter().any(|l| *l != spatial) {
+    if [
+        padding.len(),
+        strides.len(),
+        input_dilation.len(),
+        kernel_dilation.len(),
+    ]
+    .iter()
+    .any(|l| *l != spatial)
+    {
         return Err(format!("one padding, stride and dilation per spatial axis ({spatial})"));
     }
     // Batch groups: batch chunk g meets output features of group g, which
@@ -50,7 +58,10 @@ pub fn conv(x: &[&Array], a: &Term) -> Outputs {
         let mut perm: Vec<i32> = (0..rank as i32 + 1).collect();
         perm.swap(0, 1);
         let moved = ops::transpose(&split, &perm)?;
-        (ops::reshape(&moved, &[&[n / bg, bg * c][..], &shape[2..]].concat())?, bg)
+        (
+            ops::reshape(&moved, &[&[n / bg, bg * c][..], &shape[2..]].concat())?,
+            bg,
+        )
     } else {
         (input, fg)
     };
@@ -71,7 +82,10 @@ pub fn conv(x: &[&Array], a: &Term) -> Outputs {
     // crops the (dilated) input first.
     let (input, input_dilation, padding) = crop_negative_padding(&input, &input_dilation, &padding)?;
     let channels_last: Vec<i32> = [&[0][..], &(2..rank as i32).collect::<Vec<_>>(), &[1]].concat();
-    let (input, kernel) = (ops::transpose(&input, &channels_last)?, ops::transpose(&kernel, &channels_last)?);
+    let (input, kernel) = (
+        ops::transpose(&input, &channels_last)?,
+        ops::transpose(&kernel, &channels_last)?,
+    );
     let (lo, hi): (Vec<i32>, Vec<i32>) = padding.iter().copied().unzip();
     let spec = ConvSpec {
         strides: &strides,
@@ -261,17 +275,31 @@ fn extreme(dtype: Dtype, high: bool) -> Result<Array> {
 fn pad_or_crop(x: &Array, padding: &[(i32, i32)], fill: &Array) -> Result<Array> {
     let shape = x.shape();
     if padding.len() != shape.len() {
-        return Err(crate::mlx::Error::new(format!("one padding pair per axis of shape {shape:?}")));
+        return Err(crate::mlx::Error::new(format!(
+            "one padding pair per axis of shape {shape:?}"
+        )));
     }
     let (lo, hi): (Vec<i32>, Vec<i32>) = padding.iter().map(|&(l, h)| (l.max(0), h.max(0))).unzip();
-    let padded = if lo.iter().chain(&hi).any(|&p| p > 0) { ops::pad(x, &lo, &hi, fill)? } else { x.share()? };
+    let padded = if lo.iter().chain(&hi).any(|&p| p > 0) {
+        ops::pad(x, &lo, &hi, fill)?
+    } else {
+        x.share()?
+    };
     if padding.iter().all(|&(l, h)| l >= 0 && h >= 0) {
         return Ok(padded);
     }
     let pshape = padded.shape();
-    let start: Vec<i32> = padding.iter().zip(&pshape).map(|(&(l, _), &d)| (-l).clamp(0, d)).collect();
-    let stop: Vec<i32> =
-        padding.iter().zip(&pshape).zip(&start).map(|((&(_, h), &d), &s)| (d + h.min(0)).max(s)).collect();
+    let start: Vec<i32> = padding
+        .iter()
+        .zip(&pshape)
+        .map(|(&(l, _), &d)| (-l).clamp(0, d))
+        .collect();
+    let stop: Vec<i32> = padding
+        .iter()
+        .zip(&pshape)
+        .zip(&start)
+        .map(|((&(_, h), &d), &s)| (d + h.min(0)).max(s))
+        .collect();
     ops::slice(&padded, &start, &stop, &vec![1; pshape.len()])
 }
 
@@ -292,18 +320,36 @@ impl Windows {
     fn new(shape: &[i32], dims: &[i32], strides: &[i32], dilations: &[i32]) -> Result<Windows> {
         let rank = shape.len();
         if dims.len() != rank || strides.len() != rank || dilations.len() != rank {
-            return Err(crate::mlx::Error::new(format!("one window size, stride and dilation per axis of {shape:?}")));
+            return Err(crate::mlx::Error::new(format!(
+                "one window size, stride and dilation per axis of {shape:?}"
+            )));
         }
         if dims.iter().chain(strides).chain(dilations).any(|&v| v < 1) {
-            return Err(crate::mlx::Error::new("window sizes, strides and dilations must be positive"));
+            return Err(crate::mlx::Error::new(
+                "window sizes, strides and dilations must be positive",
+            ));
         }
         let span = |i: usize| (dims[i] - 1) * dilations[i] + 1;
         // Rust's `/` truncates like Elixir's `div`.
-        let out: Vec<i32> = (0..rank).map(|i| ((shape[i] - span(i)) / strides[i] + 1).max(0)).collect();
-        let overhang = (0..rank)
-            .map(|i| if out[i] == 0 { 0 } else { ((out[i] - 1) * strides[i] + span(i) - shape[i]).max(0) })
+        let out: Vec<i32> = (0..rank)
+            .map(|i| ((shape[i] - span(i)) / strides[i] + 1).max(0))
             .collect();
-        Ok(Windows { out, dims: dims.to_vec(), strides: strides.to_vec(), dilations: dilations.to_vec(), overhang })
+        let overhang = (0..rank)
+            .map(|i| {
+                if out[i] == 0 {
+                    0
+                } else {
+                    ((out[i] - 1) * strides[i] + span(i) - shape[i]).max(0)
+                }
+            })
+            .collect();
+        Ok(Windows {
+            out,
+            dims: dims.to_vec(),
+            strides: strides.to_vec(),
+            dilations: dilations.to_vec(),
+            overhang,
+        })
     }
 
     /// `padded` extended with `fill` where the last windows overhang it.
@@ -329,7 +375,10 @@ impl Windows {
             self.out[i] == 0 || last < shape[i] as i64
         });
         if shape.len() != self.out.len() || !fits {
-            return Err(crate::mlx::Error::new(format!("windows {:?} do not fit shape {shape:?}", self.dims)));
+            return Err(crate::mlx::Error::new(format!(
+                "windows {:?} do not fit shape {shape:?}",
+                self.dims
+            )));
         }
         if count(&self.out) == 0 {
             let shape = [self.out.clone(), self.dims.clone()].concat();
@@ -379,15 +428,29 @@ fn window_scatter(x: &[&Array], a: &Term, max: bool) -> Outputs {
     let windows = Windows::new(&padded.shape(), &dims, &strides, &vec![1; rank])?;
     let padded = windows.fit(&padded, &fill)?;
     if windows.out != source.shape() {
-        return Err(format!("source shape {:?} differs from the window grid {:?}", source.shape(), windows.out));
+        return Err(format!(
+            "source shape {:?} differs from the window grid {:?}",
+            source.shape(),
+            windows.out
+        ));
     }
     let window_size: i32 = dims.iter().product();
-    let flat_windows = ops::reshape(&windows.view(&padded)?, &[windows.out.clone(), vec![window_size]].concat())?;
+    let flat_windows = ops::reshape(
+        &windows.view(&padded)?,
+        &[windows.out.clone(), vec![window_size]].concat(),
+    )?;
     // The last best position: the first of the reversed window.
     let reversed: Vec<i32> = (0..window_size).rev().collect();
     let reversed = ops::take(&flat_windows, &Array::from_values(&reversed, &[window_size])?, -1)?;
-    let first = if max { ops::argmax(&reversed, -1, false)? } else { ops::argmin(&reversed, -1, false)? };
-    let within = ops::subtract(&int_const(window_size as i64 - 1, Dtype::S32)?, &ops::astype(&first, Dtype::S32)?)?;
+    let first = if max {
+        ops::argmax(&reversed, -1, false)?
+    } else {
+        ops::argmin(&reversed, -1, false)?
+    };
+    let within = ops::subtract(
+        &int_const(window_size as i64 - 1, Dtype::S32)?,
+        &ops::astype(&first, Dtype::S32)?,
+    )?;
     // Window position -> coordinates in the unpadded tensor.
     let mut linear = int_const(0, Dtype::S32)?;
     let mut inside = ops::astype(&Array::scalar(1u8)?, Dtype::Bool)?;
@@ -398,7 +461,9 @@ fn window_scatter(x: &[&Array], a: &Term, max: bool) -> Outputs {
             &ops::floor_divide(&within, &int_const(tail as i64, Dtype::S32)?)?,
             &int_const(dims[axis] as i64, Dtype::S32)?,
         )?;
-        let anchors: Vec<i32> = (0..windows.out[axis]).map(|o| o * strides[axis] - padding[axis].0).collect();
+        let anchors: Vec<i32> = (0..windows.out[axis])
+            .map(|o| o * strides[axis] - padding[axis].0)
+            .collect();
         let mut anchor_shape = vec![1; rank];
         anchor_shape[axis] = windows.out[axis];
         let coord = ops::add(&Array::from_values(&anchors, &anchor_shape)?, &offset)?;
@@ -407,7 +472,10 @@ fn window_scatter(x: &[&Array], a: &Term, max: bool) -> Outputs {
             &ops::less(&coord, &int_const(shape[axis] as i64, Dtype::S32)?)?,
         )?;
         inside = ops::logical_and(&inside, &ok)?;
-        linear = ops::add(&ops::multiply(&linear, &int_const(shape[axis] as i64, Dtype::S32)?)?, &coord)?;
+        linear = ops::add(
+            &ops::multiply(&linear, &int_const(shape[axis] as i64, Dtype::S32)?)?,
+            &coord,
+        )?;
     }
     // Windows whose choice falls in the padding add zero at position 0.
     let zero = ops::astype(&Array::scalar(0i32)?, source.dtype())?;
@@ -419,13 +487,20 @@ fn window_scatter(x: &[&Array], a: &Term, max: bool) -> Outputs {
     if n == 0 || total == 0 {
         return finish(ops::reshape(&base, &shape), a);
     }
-    let scattered = ops::scatter_add(&base, &ops::reshape(&linear, &[n])?, &ops::reshape(&values, &[n, 1])?, 0)?;
+    let scattered = ops::scatter_add(
+        &base,
+        &ops::reshape(&linear, &[n])?,
+        &ops::reshape(&values, &[n, 1])?,
+        0,
+    )?;
     finish(ops::reshape(&scattered, &shape), a)
 }
 
 /// `[[lo, hi], ...]` or `[{lo, hi}, ...]`.
 fn pairs(t: &Term) -> std::result::Result<Vec<(i32, i32)>, String> {
-    let list = t.as_list().ok_or_else(|| format!("expected a list of {{lo, hi}} pairs, got {t}"))?;
+    let list = t
+        .as_list()
+        .ok_or_else(|| format!("expected a list of {{lo, hi}} pairs, got {t}"))?;
     list.iter()
         .map(|p| match p.as_list().or_else(|| p.as_tuple()) {
             Some([lo, hi]) => Ok((attrs::int(lo)?, attrs::int(hi)?)),

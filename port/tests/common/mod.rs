@@ -48,16 +48,34 @@ impl Worker {
         let (req_r, req_w) = pipe();
         let (rep_r, rep_w) = pipe();
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_moat_port"));
-        cmd.args(["--generation", "3"]).args(extra).stdin(Stdio::null()).stderr(stderr);
+        cmd.args(["--generation", "3"])
+            .args(extra)
+            .stdin(Stdio::null())
+            .stderr(stderr);
         cmd.fd_mappings(vec![
-            FdMapping { parent_fd: req_r, child_fd: 3 },
-            FdMapping { parent_fd: rep_w, child_fd: 4 },
+            FdMapping {
+                parent_fd: req_r,
+                child_fd: 3,
+            },
+            FdMapping {
+                parent_fd: rep_w,
+                child_fd: 4,
+            },
         ])
         .expect("fd mappings");
         let child = cmd.spawn().expect("spawn moat_port");
-        let mut w = Worker { child, to: req_w.into(), from: rep_r.into(), generation: 3, hello: Term::atom("nil") };
+        let mut w = Worker {
+            child,
+            to: req_w.into(),
+            from: rep_r.into(),
+            generation: 3,
+            hello: Term::atom("nil"),
+        };
         let (hello, _) = w.recv();
-        assert!(matches!(hello.as_tuple(), Some([h, _, _]) if h.is_atom("hello")), "first frame: {hello}");
+        assert!(
+            matches!(hello.as_tuple(), Some([h, _, _]) if h.is_atom("hello")),
+            "first frame: {hello}"
+        );
         w.hello = hello;
         w
     }
@@ -106,7 +124,14 @@ impl Worker {
 
     /// `from_binary` of `bytes` as tensor `id` of type `{kind, bits}`.
     pub fn upload(&mut self, id: u64, shape: &[i32], kind: &str, bits: u32, bytes: &[u8]) {
-        let header = request(0, self.generation, "from_binary", &[id], &[], tensor_attrs(shape, kind, bits, bytes.len()));
+        let header = request(
+            0,
+            self.generation,
+            "from_binary",
+            &[id],
+            &[],
+            tensor_attrs(shape, kind, bits, bytes.len()),
+        );
         self.send(header, bytes);
     }
 
@@ -139,7 +164,10 @@ impl Worker {
     }
 
     pub fn read_f32(&mut self, seq: u64, id: u64) -> Vec<f32> {
-        self.read_bytes(seq, id).chunks(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
+        self.read_bytes(seq, id)
+            .chunks(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect()
     }
 
     /// Closes the worker's input and waits for it to exit.
@@ -189,11 +217,21 @@ pub fn i32_bytes(v: &[i32]) -> Vec<u8> {
 }
 
 pub fn i32_values(bytes: &[u8]) -> Vec<i32> {
-    bytes.chunks(4).map(|c| i32::from_le_bytes(c.try_into().unwrap())).collect()
+    bytes
+        .chunks(4)
+        .map(|c| i32::from_le_bytes(c.try_into().unwrap()))
+        .collect()
 }
 
 pub fn request(seq: u64, generation: u64, op: &str, outs: &[u64], ins: &[u64], attrs: Term) -> Term {
-    Term::tuple(vec![Term::int(seq), Term::int(generation), Term::atom(op), ids(outs), ids(ins), attrs])
+    Term::tuple(vec![
+        Term::int(seq),
+        Term::int(generation),
+        Term::atom(op),
+        ids(outs),
+        ids(ins),
+        attrs,
+    ])
 }
 
 pub fn tensor_attrs(shape: &[i32], kind: &str, bits: u32, bytes: usize) -> Term {
@@ -207,9 +245,10 @@ pub fn tensor_attrs(shape: &[i32], kind: &str, bits: u32, bytes: usize) -> Term 
 /// `{:error, seq, op, message}` → (op, message).
 pub fn error_parts(t: &Term) -> (String, String) {
     match t.as_tuple() {
-        Some([tag, _, op, Term::Binary(m)]) if tag.is_atom("error") => {
-            (op.as_atom().unwrap().to_string(), String::from_utf8_lossy(m).into_owned())
-        }
+        Some([tag, _, op, Term::Binary(m)]) if tag.is_atom("error") => (
+            op.as_atom().unwrap().to_string(),
+            String::from_utf8_lossy(m).into_owned(),
+        ),
         _ => panic!("not an error reply: {t}"),
     }
 }

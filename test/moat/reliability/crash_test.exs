@@ -80,7 +80,14 @@ defmodule Moat.Reliability.CrashTest do
         end)
       end)
 
-    Reliability.record(:crashes, "real MLX crash class: a failed 80 GB allocation", rounds, rounds, lost(stats), summary(stats))
+    Reliability.record(
+      :crashes,
+      "real MLX crash class: a failed 80 GB allocation",
+      rounds,
+      rounds,
+      lost(stats),
+      summary(stats)
+    )
   end
 
   # One fault while @callers processes are busy; returns what the callers saw.
@@ -233,7 +240,8 @@ defmodule Moat.Reliability.CrashTest do
 
   defp assert_names_cause(e, fault), do: flunk("unexpected error for #{inspect(fault)}: #{inspect(e)}")
 
-  defp lost(stats), do: stats |> Enum.map(& &1.jobs) |> Enum.sum() |> Kernel.-(Enum.sum(Enum.map(stats, &(&1.ok + &1.errors))))
+  defp lost(stats),
+    do: stats |> Enum.map(& &1.jobs) |> Enum.sum() |> Kernel.-(Enum.sum(Enum.map(stats, &(&1.ok + &1.errors))))
 
   defp summary(stats) do
     sum = fn key -> stats |> Enum.map(&Map.fetch!(&1, key)) |> Enum.sum() end

@@ -19,7 +19,7 @@ defmodule Moat.Reliability.LargeDataTest do
       transfer = unquote(transfer)
       worker = start_worker(:"large_data_#{transfer}", log_level: :error, shared_memory: transfer == :shared_memory)
       %{os_pid: os_pid, chunk_bytes: chunk} = Moat.Worker.info(worker)
-      assert (Moat.Client.conn(worker).shared != nil) == (transfer == :shared_memory)
+      assert Moat.Client.conn(worker).shared != nil == (transfer == :shared_memory)
       n = (1 <<< 29) + 3
       data = bytes(4 * n)
       sent_hash = :crypto.hash(:sha256, data)

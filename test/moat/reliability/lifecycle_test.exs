@@ -45,7 +45,10 @@ defmodule Moat.Reliability.LifecycleTest do
     assert_received {:supervisor_exit, :shutdown}
     # The first start and exactly max_restarts restarts: no spin.
     assert length(pids) == max_restarts + 1
-    assert length(Regex.scan(~r/Moat worker :crash_loop \(generation \d\) died: killed by signal 9/, log)) == length(pids)
+
+    assert length(Regex.scan(~r/Moat worker :crash_loop \(generation \d\) died: killed by signal 9/, log)) ==
+             length(pids)
+
     Enum.each(pids, fn pid -> eventually(fn -> not os_alive?(pid) end, 1_000) end)
 
     # Afterwards a caller gets an error at once, naming what happened last.
@@ -89,7 +92,15 @@ defmodule Moat.Reliability.LifecycleTest do
     eventually(fn -> not os_alive?(pid) and not os_alive?(holder) end, 1_000)
     assert_receive {:up, %{worker: ^worker, generation: g2}}, 2_000
     assert g2 == g + 1
-    Reliability.record(:crashes, "port closed by another process", 1, 1, 0, "worker and input holder exit within 1 s; next generation serves")
+
+    Reliability.record(
+      :crashes,
+      "port closed by another process",
+      1,
+      1,
+      0,
+      "worker and input holder exit within 1 s; next generation serves"
+    )
   end
 
   test "stopping the application stops the worker and its holder" do
@@ -103,7 +114,15 @@ defmodule Moat.Reliability.LifecycleTest do
 
     {:ok, _} = Application.ensure_all_started(:moat)
     assert Moat.to_binary(Moat.from_binary(f32([2.0]), {1}, {:f, 32})) == f32([2.0])
-    Reliability.record(:crashes, "application stopped", 1, 1, 0, "worker and input holder exit within 1 s; restarting the application serves again")
+
+    Reliability.record(
+      :crashes,
+      "application stopped",
+      1,
+      1,
+      0,
+      "worker and input holder exit within 1 s; restarting the application serves again"
+    )
   end
 
   defp children(os_pid) do

@@ -55,7 +55,10 @@ defmodule Moat.Reliability.LoadTest do
     elapsed = System.monotonic_time(:millisecond) - started
 
     calls = results |> Enum.map(& &1.calls) |> Enum.sum()
-    assert Enum.all?(results, &(&1.mismatches == [])), "wrong data: #{inspect(Enum.flat_map(results, & &1.mismatches) |> Enum.take(5))}"
+
+    assert Enum.all?(results, &(&1.mismatches == [])),
+           "wrong data: #{inspect(Enum.flat_map(results, & &1.mismatches) |> Enum.take(5))}"
+
     assert Enum.all?(results, &(&1.stray == 0)), "a caller received a message it did not ask for"
 
     # Exactly one reply per call, none left registered.
@@ -83,7 +86,14 @@ defmodule Moat.Reliability.LoadTest do
         "peak growth: worker RSS #{mib(worker_growth)}, VM #{mib(vm_growth)}; unrelated ping-pong " <>
         "p50 #{p.p50} µs, p99 #{p.p99} µs, max #{p.max} µs over #{length(latencies)} round trips"
 
-    Reliability.record(:load, "load: #{procs} processes x #{ops} mixed ops and readbacks", procs * ops, procs * ops, 0, note)
+    Reliability.record(
+      :load,
+      "load: #{procs} processes x #{ops} mixed ops and readbacks",
+      procs * ops,
+      procs * ops,
+      0,
+      note
+    )
   end
 
   # One process's walk: `ops` steps, each an op or a readback, on a 4-vector
@@ -101,10 +111,13 @@ defmodule Moat.Reliability.LoadTest do
     %{calls: acc.calls, mismatches: acc.mismatches, stray: stray}
   end
 
-  defp step(acc, c, pick) when pick <= 2, do: apply_op(acc, Nx.add(acc.x, c.step), &zip(&1, [1, -2, 3, 0], fn a, b -> a + b end))
+  defp step(acc, c, pick) when pick <= 2,
+    do: apply_op(acc, Nx.add(acc.x, c.step), &zip(&1, [1, -2, 3, 0], fn a, b -> a + b end))
+
   defp step(acc, c, 3), do: apply_op(acc, Nx.subtract(acc.x, c.step), &zip(&1, [1, -2, 3, 0], fn a, b -> a - b end))
   defp step(acc, c, 4), do: apply_op(acc, Nx.multiply(acc.x, c.signs), &zip(&1, [1, -1, 1, -1], fn a, b -> a * b end))
   defp step(acc, c, 5), do: apply_op(acc, Nx.divide(acc.x, c.signs), &zip(&1, [1, -1, 1, -1], fn a, b -> a / b end))
+
   defp step(acc, _c, 6) do
     square = Nx.reshape(acc.x, {2, 2})
     acc = apply_op(acc, Nx.reshape(square, {4}), & &1)

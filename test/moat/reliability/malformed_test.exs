@@ -41,7 +41,12 @@ defmodule Moat.Reliability.MalformedTest do
     assert {error.op, error.message} == {:frobnicate, "frobnicate: unknown op frobnicate"}
 
     # With no id to carry the failure, it is logged rather than lost.
-    log = capture_log(fn -> Client.cast(conn, :frobnicate, [], [], nil); serves(worker) end)
+    log =
+      capture_log(fn ->
+        Client.cast(conn, :frobnicate, [], [], nil)
+        serves(worker)
+      end)
+
     assert log =~ "refused a frame (frobnicate): unknown op frobnicate"
   end
 
@@ -119,7 +124,13 @@ defmodule Moat.Reliability.MalformedTest do
   test "garbage frames are refused and the worker keeps serving", %{worker: worker, conn: conn} do
     log =
       capture_log(fn ->
-        for garbage <- [<<0, 0, 0, 3, 1, 2, 3>>, <<0, 0, 0, 0>>, <<255, 255, 255, 255>>, "", Protocol.encode_header(:nope)] do
+        for garbage <- [
+              <<0, 0, 0, 3, 1, 2, 3>>,
+              <<0, 0, 0, 0>>,
+              <<255, 255, 255, 255>>,
+              "",
+              Protocol.encode_header(:nope)
+            ] do
           Port.command(conn.port, garbage)
         end
 
@@ -149,6 +160,7 @@ defmodule Moat.Reliability.MalformedTest do
     assert Process.alive?(owner)
     assert Client.conn(worker).owner == owner
     serves(worker)
+
     Reliability.record(
       :malformed,
       "damaged frames sent to the worker's owner (Elixir decoder), #{div(budget, 1000)} s",

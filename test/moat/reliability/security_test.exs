@@ -28,6 +28,13 @@ defmodule Moat.Reliability.SecurityTest do
     assert Reliability.open_fds(holder) == [List.keyfind(fds, 3, 0)]
     assert Path.wildcard("/proc/#{holder}/task/*/children") |> Enum.all?(&(File.read!(&1) == ""))
 
-    Reliability.record(:security, "descriptors of a port-launched worker after real work", 1, 1, 0, "fds 0-4 only (3, 4: the port's pipes); no socket; one child, the input holder, holding only fd 3")
+    Reliability.record(
+      :security,
+      "descriptors of a port-launched worker after real work",
+      1,
+      1,
+      0,
+      "fds 0-4 only (3, 4: the port's pipes); no socket; one child, the input holder, holding only fd 3"
+    )
   end
 end

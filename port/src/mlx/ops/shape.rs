@@ -54,7 +54,15 @@ pub fn slice_update(src: &Array, update: &Array, start: &[i32], stop: &[i32], st
     }
     // SAFETY: both arrays are live; the three slices are valid for `n` elements.
     Array::from_call(|out| unsafe {
-        ffi::moat_slice_update(src.raw(), update.raw(), start.as_ptr(), stop.as_ptr(), strides.as_ptr(), n, out)
+        ffi::moat_slice_update(
+            src.raw(),
+            update.raw(),
+            start.as_ptr(),
+            stop.as_ptr(),
+            strides.as_ptr(),
+            n,
+            out,
+        )
     })
 }
 

@@ -16,7 +16,12 @@ pub struct ConvSpec<'a> {
 /// `input` is `[N, spatial..., C]`, `weight` `[O, spatial..., C / groups]`.
 pub fn conv_general(input: &Array, weight: &Array, spec: &ConvSpec) -> Result<Array> {
     let n = spec.strides.len();
-    let lens = [spec.pad_lo.len(), spec.pad_hi.len(), spec.kernel_dilation.len(), spec.input_dilation.len()];
+    let lens = [
+        spec.pad_lo.len(),
+        spec.pad_hi.len(),
+        spec.kernel_dilation.len(),
+        spec.input_dilation.len(),
+    ];
     if lens.iter().any(|l| *l != n) {
         return Err(Error::new("conv: one stride, padding and dilation per spatial axis"));
     }

@@ -1,0 +1,4 @@
+[
+  inputs: ["{mix,.formatter}.exs", "{elixir,test,bench,examples}/**/*.{ex,exs}"],
+  line_length: 120
+]

@@ -62,7 +62,12 @@ defmodule Moat.Client do
   def record_pressure(%__MODULE__{counters: c}), do: :atomics.add(c, @pressure, 1)
 
   @doc false
-  def record_ack(%__MODULE__{counters: c}, n), do: :atomics.put(c, @acked, n)
+  # Acks are cumulative and may overtake each other (protocol.md §4); only
+  # the owner writes this slot, so a plain maximum is enough.
+  def record_ack(%__MODULE__{counters: c}, n) do
+    if n > :atomics.get(c, @acked), do: :atomics.put(c, @acked, n)
+    :ok
+  end
 
   @doc false
   def acked(%__MODULE__{counters: c}), do: :atomics.get(c, @acked)

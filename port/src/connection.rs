@@ -14,8 +14,9 @@ use crate::mlx::{Array, Buffer, Dtype, Evaluated};
 use crate::protocol::{self, Id, Malformed, Request};
 use crate::shared::{Mapped, Staged};
 use crate::term::Term;
-use crossbeam_channel::{Receiver, Sender};
+use crossbeam_channel::{bounded, Receiver, Sender};
 use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 use std::io::{self, BufReader, BufWriter, Read, Write};
 
 pub enum Incoming {
@@ -74,7 +75,7 @@ pub struct ReaderConfig {
     /// Whether shared-memory uploads are offered (see `shared::offer`).
     pub shared_memory: bool,
     /// Where the reader sends the replies it gives itself.
-    pub replies: Sender<Outgoing>,
+    pub replies: Replies,
 }
 
 /// A pipe upload whose chunks are still arriving.
@@ -283,10 +284,7 @@ impl<R: Read> Reader<R> {
         };
         let (staged, location) = staged;
         self.staged.insert(id, staged);
-        let _ = self
-            .config
-            .replies
-            .send(Outgoing::Frame(protocol::ok(req.seq, location)));
+        self.config.replies.send(Outgoing::Frame(protocol::ok(req.seq, location)));
         Ok(Incoming::Consumed)
     }
 
@@ -349,31 +347,88 @@ fn upload_attrs(req: &Request) -> Result<(Vec<i32>, Dtype, usize), String> {
     Ok((shape, dtype, total as usize))
 }
 
-/// Writes outgoing frames until the channel closes (`Ok`) or the client is
-/// gone (`Err`, typically a broken pipe).
-pub fn write_loop(output: impl Write, chunk_bytes: usize, rx: Receiver<Outgoing>) -> io::Result<()> {
-    let mut w = BufWriter::with_capacity(64 << 10, output);
-    while let Ok(msg) = rx.recv() {
-        match msg {
-            Outgoing::Frame(header) => write_frame(&mut w, &header, &[])?,
-            Outgoing::Data { seq, result, data } => {
-                let bytes = data.bytes();
-                let mut chunks = bytes.chunks(chunk_bytes.max(1)).peekable();
-                while let Some(chunk) = chunks.next() {
-                    if chunks.peek().is_some() {
-                        write_frame(&mut w, &protocol::more(seq), chunk)?;
-                    } else {
-                        write_frame(&mut w, &result, chunk)?;
+/// The way out of the worker. A small frame is written at once by the thread
+/// that has it when nothing is queued ahead of it, which saves a thread
+/// wake-up per reply; anything else, tensor data above all, goes through the
+/// writer thread. Replies to different calls may thus pass each other; the
+/// frames of one reply never do, and the client takes acks as a maximum.
+#[derive(Clone)]
+pub struct Replies {
+    queue: Sender<Outgoing>,
+    sink: Sink,
+}
+
+type Sink = Arc<Mutex<BufWriter<Box<dyn Write + Send>>>>;
+
+impl Replies {
+    /// The replies and the writer thread's queue, over `output`.
+    pub fn new(output: impl Write + Send + 'static, capacity: usize) -> (Replies, Writer) {
+        let (queue, rx) = bounded(capacity);
+        let sink: Sink = Arc::new(Mutex::new(BufWriter::with_capacity(64 << 10, Box::new(output))));
+        (Replies { queue, sink: sink.clone() }, Writer { sink, rx })
+    }
+
+    /// Sends `msg`; a failed write means the client is gone, and the process
+    /// exits (as the writer thread does).
+    pub fn send(&self, msg: Outgoing) {
+        let msg = match msg {
+            Outgoing::Frame(header) if self.queue.is_empty() => match self.sink.try_lock() {
+                Ok(mut w) if self.queue.is_empty() => {
+                    if write_frame(&mut *w, &header, &[]).and_then(|()| w.flush()).is_err() {
+                        crate::sys::exit_now(0);
                     }
+                    return;
                 }
-                if bytes.is_empty() {
-                    write_frame(&mut w, &result, &[])?;
-                }
+                _ => Outgoing::Frame(header),
+            },
+            other => other,
+        };
+        // The writer only goes away when the client is gone; the process
+        // exits then, so there is no one left to tell.
+        let _ = self.queue.send(msg);
+    }
+}
+
+/// The writer thread's half: it drains the queue, splitting large readbacks
+/// into `chunk_bytes` frames.
+pub struct Writer {
+    sink: Sink,
+    rx: Receiver<Outgoing>,
+}
+
+impl Writer {
+    /// Writes until every `Replies` is dropped (`Ok`) or the client is gone
+    /// (`Err`, typically a broken pipe).
+    pub fn run(self, chunk_bytes: usize) -> io::Result<()> {
+        while let Ok(first) = self.rx.recv() {
+            let mut w = self.sink.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+            write_outgoing(&mut *w, first, chunk_bytes)?;
+            while let Ok(msg) = self.rx.try_recv() {
+                write_outgoing(&mut *w, msg, chunk_bytes)?;
             }
-        }
-        if rx.is_empty() {
             w.flush()?;
         }
+        Ok(())
     }
-    w.flush()
+}
+
+fn write_outgoing(w: &mut impl Write, msg: Outgoing, chunk_bytes: usize) -> io::Result<()> {
+    match msg {
+        Outgoing::Frame(header) => write_frame(w, &header, &[]),
+        Outgoing::Data { seq, result, data } => {
+            let bytes = data.bytes();
+            let mut chunks = bytes.chunks(chunk_bytes.max(1)).peekable();
+            while let Some(chunk) = chunks.next() {
+                if chunks.peek().is_some() {
+                    write_frame(w, &protocol::more(seq), chunk)?;
+                } else {
+                    write_frame(w, &result, chunk)?;
+                }
+            }
+            if bytes.is_empty() {
+                write_frame(w, &result, &[])?;
+            }
+            Ok(())
+        }
+    }
 }

@@ -3,7 +3,7 @@
 
 use crossbeam_channel::bounded;
 use moat_port::checks::Checks;
-use moat_port::connection::{read_loop, write_loop, Outgoing, ReaderConfig};
+use moat_port::connection::{read_loop, Outgoing, ReaderConfig, Replies};
 use moat_port::frame::Limits;
 use moat_port::mlx::{self, Device};
 use moat_port::protocol;
@@ -91,12 +91,12 @@ fn main() {
     sys::grow_pipe(3, 1 << 20);
     sys::grow_pipe(4, 1 << 20);
 
-    let (out_tx, out_rx) = bounded::<Outgoing>(1024);
+    let (replies, writer) = Replies::new(output, 1024);
     let chunk = opts.limits.chunk_bytes;
     thread::Builder::new()
         .name("writer".into())
         .spawn(move || {
-            if let Err(e) = write_loop(output, chunk, out_rx) {
+            if let Err(e) = writer.run(chunk) {
                 log::info!("client gone ({e}); exiting");
             }
             sys::exit_now(0);
@@ -105,14 +105,14 @@ fn main() {
 
     let offer = shared::offer(opts.shared_memory);
     let shared_memory = !offer.is_atom("nil");
-    let _ = out_tx.send(Outgoing::Frame(hello(&opts, offer)));
+    replies.send(Outgoing::Frame(hello(&opts, offer)));
 
     let (in_tx, in_rx) = bounded(256);
     let config = ReaderConfig {
         limits: opts.limits,
         generation: opts.generation,
         shared_memory,
-        replies: out_tx.clone(),
+        replies: replies.clone(),
     };
     thread::Builder::new()
         .name("reader".into())
@@ -128,7 +128,7 @@ fn main() {
     if let Err(e) = Device::Cpu.make_default() {
         log::error!("cannot select the CPU device: {e}");
     }
-    Session::new(opts.generation, out_tx)
+    Session::new(opts.generation, replies)
         .with_checks(opts.checks)
         .with_shared_memory(shared_memory)
         .run(in_rx);

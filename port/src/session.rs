@@ -3,13 +3,13 @@
 
 use crate::budget::{self, budget, EvalError, Pressure};
 use crate::checks::Checks;
-use crate::connection::{Incoming, Outgoing, Upload};
+use crate::connection::{Incoming, Outgoing, Replies, Upload};
 use crate::mlx::{self, Array, Evaluated};
 use crate::ops;
 use crate::protocol::{self, Id, Malformed, Request};
 use crate::registry::{Failure, Registry};
 use crate::term::Term;
-use crossbeam_channel::{Receiver, Sender, TryRecvError};
+use crossbeam_channel::{Receiver, TryRecvError};
 use std::collections::HashMap;
 use std::rc::Rc;
 
@@ -26,14 +26,14 @@ pub struct Session {
     /// with `pin`), held until it releases them.
     pins: HashMap<Id, Evaluated>,
     shared_memory: bool,
-    out: Sender<Outgoing>,
+    out: Replies,
     processed: u64,
     acked: u64,
     pressure: Pressure,
 }
 
 impl Session {
-    pub fn new(generation: u64, out: Sender<Outgoing>) -> Session {
+    pub fn new(generation: u64, out: Replies) -> Session {
         Session {
             generation,
             checks: Checks::default(),
@@ -93,9 +93,7 @@ impl Session {
     }
 
     fn send(&self, msg: Outgoing) {
-        // The writer only goes away when the client is gone; the process
-        // exits then, so there is no one left to tell.
-        let _ = self.out.send(msg);
+        self.out.send(msg);
     }
 
     pub fn handle(&mut self, msg: Incoming) {

@@ -17,7 +17,7 @@ mod common;
 use common::report;
 use common::*;
 use crossbeam_channel::unbounded;
-use moat_port::connection::{read_loop, Incoming, ReaderConfig};
+use moat_port::connection::{read_loop, Incoming, ReaderConfig, Replies};
 use moat_port::frame::{split_body, write_frame, FrameReader, Limits};
 use moat_port::protocol::{map, Request};
 use moat_port::term::{decode, encode, Term};
@@ -539,7 +539,7 @@ fn the_reader_turns_every_packet_into_exactly_one_message() {
             rest = &rest[4 + n..];
         }
         let (tx, rx) = unbounded();
-        let (replies, _) = unbounded();
+        let (replies, _writer) = Replies::new(std::io::sink(), 1024);
         let config = ReaderConfig {
             limits,
             generation: 3,

@@ -61,8 +61,9 @@ defmodule Moat do
   A handle held by a process that never created a tensor of the worker
   (it received it) is freed at that process's own next collection. ETS,
   `:persistent_term` and other processes keep tensors alive, as they keep
-  any term. `scope/1`, `deallocate/1` and `:erlang.garbage_collect/0` free
-  at once.
+  any term. `scope/1` and `deallocate/1` free at once;
+  `:erlang.garbage_collect/0` frees what it collects at the releaser's next
+  batch.
 
   **Without the NIF** (no C compiler when Moat was built, or
   `MOAT_FINALIZER=off`), a warning is logged once and only `scope/1`,
@@ -195,6 +196,8 @@ defmodule Moat do
   Evaluates tensors now, raising the first failure among them.
   """
   @spec eval(Ref.t() | [Ref.t()]) :: :ok
+  def eval([]), do: :ok
+
   def eval(refs) do
     [%Ref{worker: worker} | _] = refs = List.wrap(refs)
 
@@ -211,6 +214,8 @@ defmodule Moat do
   blocking call on them.
   """
   @spec async_eval(Ref.t() | [Ref.t()]) :: :ok
+  def async_eval([]), do: :ok
+
   def async_eval(refs) do
     [%Ref{worker: worker} | _] = refs = List.wrap(refs)
     conn = Client.conn(worker)

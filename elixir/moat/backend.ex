@@ -745,6 +745,9 @@ defmodule Moat.Backend do
     conn = Client.conn(worker)
     ids = Client.ids!(conn, Enum.map(moved, &ref/1), name)
     out_ids = Client.new_ids(length(outs))
+    # Handles (and their release tokens) exist before the frame that defines
+    # their ids: a process that dies in between leaves no tensor behind.
+    refs = Enum.map(out_ids, &Client.ref(conn, &1))
     Client.cast(conn, name, out_ids, ids, attrs)
 
     case for {m, i} <- Enum.zip(moved, inputs), m != i, do: ref(m).id do
@@ -753,7 +756,7 @@ defmodule Moat.Backend do
     end
 
     outs
-    |> Enum.zip_with(out_ids, &%{&1 | data: %__MODULE__{ref: Client.ref(conn, &2), device: device}})
+    |> Enum.zip_with(refs, &%{&1 | data: %__MODULE__{ref: &2, device: device}})
     |> List.to_tuple()
   end
 
@@ -772,7 +775,8 @@ defmodule Moat.Backend do
     device = device!(worker(opts), opts)
     conn = Client.conn(worker(opts))
     id = Client.new_id()
+    ref = Client.ref(conn, id)
     Client.cast(conn, name, [id], [], attrs)
-    wrap(out, Client.ref(conn, id), device)
+    wrap(out, ref, device)
   end
 end

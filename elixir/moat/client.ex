@@ -26,7 +26,7 @@ defmodule Moat.Client do
 
   require Logger
 
-  alias Moat.{Error, Finalizer, Protocol, Ref, Shared}
+  alias Moat.{Error, Finalizer, Protocol, Ref, Releaser, Shared}
 
   @enforce_keys [:name, :port, :generation, :owner, :table, :counters, :releaser]
   defstruct [:name, :port, :generation, :owner, :table, :counters, :releaser, :window, :chunk_bytes, :info, :shared]
@@ -80,15 +80,19 @@ defmodule Moat.Client do
   end
 
   @doc false
-  def publish(%__MODULE__{name: name} = conn), do: :persistent_term.put({__MODULE__, name}, conn)
+  def publish(%__MODULE__{name: name, generation: g} = conn) do
+    # The generation outlives the connection, so that handles of a worker
+    # stopped and started again stay stale.
+    :persistent_term.put({__MODULE__, name, :generation}, g)
+    :persistent_term.put({__MODULE__, name}, conn)
+  end
 
   @doc false
-  def last_generation(name) do
-    case :persistent_term.get({__MODULE__, name}, nil) do
-      nil -> 0
-      %__MODULE__{generation: g} -> g
-    end
-  end
+  # A stopped worker has no connection: `conn/1` raises from then on.
+  def unpublish(%__MODULE__{name: name}), do: :persistent_term.erase({__MODULE__, name})
+
+  @doc false
+  def last_generation(name), do: :persistent_term.get({__MODULE__, name, :generation}, 0)
 
   @doc "Fresh tensor ids, unique across all workers and restarts."
   @spec new_ids(pos_integer()) :: [pos_integer()]
@@ -125,7 +129,7 @@ defmodule Moat.Client do
     if Process.get(key, 0) != reports do
       Process.put(key, reports)
       :erlang.garbage_collect()
-      Moat.Releaser.flush(releaser)
+      Releaser.flush(releaser)
     end
   end
 
@@ -179,11 +183,17 @@ defmodule Moat.Client do
   end
 
   @doc false
-  # Releases ids of (worker, generation) without their handles (Moat.scope/1).
+  # Releases ids of (worker, generation) without their handles (Moat.scope/1),
+  # and returns once their frame is written: the caller's next frame comes
+  # after it, so a released tensor is gone for whatever the caller does next.
   def release_ids(name, g, ids) do
     case :persistent_term.get({__MODULE__, name}, nil) do
-      %__MODULE__{generation: ^g, releaser: releaser} -> send(releaser, {:moat_release_ids, ids})
-      _ -> :ok
+      %__MODULE__{generation: ^g, releaser: releaser} ->
+        send(releaser, {:moat_release_ids, ids})
+        Releaser.flush(releaser)
+
+      _ ->
+        :ok
     end
 
     :ok
@@ -363,7 +373,6 @@ defmodule Moat.Client do
     mref = :erlang.monitor(:process, conn.owner, alias: :demonitor)
 
     if register(conn, seq, mref) do
-      :atomics.add(conn.counters, @sent, 1)
       send_request(conn, op, seq, mref, Protocol.request(seq, conn.generation, op, outs, ins, attrs), timeout)
     else
       # The owner died, and its table with it, since `conn` was read; the
@@ -421,10 +430,20 @@ defmodule Moat.Client do
 
   defp forget(conn, seq, mref) do
     Process.demonitor(mref, [:flush])
+    drain(mref)
     :ets.delete(conn.table, seq)
   catch
     # The table died with the worker process.
     :error, :badarg -> true
+  end
+
+  # Chunks, or a reply that raced the timeout, must not stay in the mailbox.
+  defp drain(mref) do
+    receive do
+      {^mref, _} -> drain(mref)
+    after
+      0 -> :ok
+    end
   end
 
   @doc false
@@ -460,12 +479,17 @@ defmodule Moat.Client do
     end
   end
 
+  # A frame is counted once it is written (see `command/3`): a sender that
+  # dies before that, waiting here or suspended on a busy port, must not
+  # take a slot of the window with it, as the worker will never acknowledge
+  # a frame it never got. Concurrent senders may overshoot the window by one
+  # frame each.
   defp admit(%__MODULE__{counters: c, window: window} = conn) do
-    sent = :atomics.add_get(c, @sent, 1)
+    target = :atomics.get(c, @sent) + 1 - window
 
-    if sent - :atomics.get(c, @acked) > window do
+    if target > :atomics.get(c, @acked) do
       try do
-        GenServer.call(conn.owner, {:await_ack, sent - window}, :infinity)
+        GenServer.call(conn.owner, {:await_ack, target}, :infinity)
       catch
         :exit, reason -> raise Error.new(:worker_died, nil, died(exit_reason(reason), conn))
       end
@@ -479,6 +503,7 @@ defmodule Moat.Client do
 
   defp command(conn, op, iodata) do
     Port.command(conn.port, iodata)
+    :atomics.add(conn.counters, @sent, 1)
     Process.delete(@pinned)
     :ok
   rescue

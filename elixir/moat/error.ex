@@ -11,7 +11,9 @@ defmodule Moat.Error do
     * `:stale_generation` — the tensor belongs to a worker that has since been
       restarted; its data is gone.
     * `:deallocated` — the tensor was released with `Nx.backend_deallocate/1`
-      or by `Moat.scope/1`.
+      (or `Moat.deallocate/1`); raised before anything is sent. A tensor a
+      `Moat.scope/1` released is gone from the worker: using it fails with
+      `:op_failed`, "unknown tensor id", at the next blocking call.
     * `:worker_unavailable` — no worker is running (it is restarting, or the
       application is stopped).
     * `:timeout` — the call did not complete in time.

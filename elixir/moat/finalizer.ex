@@ -24,7 +24,11 @@ defmodule Moat.Finalizer do
 
   @doc false
   def load do
-    path = :code.priv_dir(:moat) |> to_string() |> Path.join("moat_finalizer")
+    path =
+      case :code.priv_dir(:moat) do
+        {:error, _} -> "moat_finalizer"
+        dir -> dir |> to_string() |> Path.join("moat_finalizer")
+      end
 
     result =
       if System.get_env("MOAT_FINALIZER") == "off" do

@@ -26,7 +26,8 @@ defmodule Moat.Worker do
       this application's `priv/`, or `$MOAT_WORKER`)
     * `:log_level` - the worker's stderr log level (default from
       `config :moat, :worker_log_level`, `:warning`)
-    * `:window` - unacknowledged fire-and-forget frames allowed in flight (1024)
+    * `:window` - frames sent but not yet acknowledged by the worker before a
+      fire-and-forget sender waits (1024; calls count too, but never wait)
     * `:chunk_bytes`, `:max_frame_bytes` - frame limits (64 MiB, 320 MiB)
     * `:shared_memory` - move large tensors through shared memory instead of
       the port's pipe, where the worker offers it and this VM can read the
@@ -246,6 +247,8 @@ defmodule Moat.Worker do
     else
       # A normal stop (application shutdown): closing the port gives the
       # worker end of input, and it exits.
+      Client.unpublish(conn)
+
       try do
         Port.close(conn.port)
       rescue

@@ -728,7 +728,25 @@ defmodule Moat.Backend do
   end
 
   # Sends one graph-building op and returns `out` bound to its result.
-  defp op(%T{} = out, name, inputs, attrs) do
+  # The common case, every input on one worker, skips multi_op's copying.
+  defp op(%T{} = out, name, [%T{data: %__MODULE__{ref: %Ref{worker: worker}, device: device}} | _] = inputs, attrs) do
+    if Enum.all?(inputs, &match?(%T{data: %__MODULE__{ref: %Ref{worker: ^worker}}}, &1)) do
+      Moat.check_type!(out.type)
+      conn = Client.conn(worker)
+      ids = Client.ids!(conn, Enum.map(inputs, &ref/1), name)
+      id = Client.new_id()
+      # The handle exists before the frame that defines its id (see multi_op).
+      handle = Client.ref(conn, id)
+      Client.cast(conn, name, [id], ids, attrs)
+      %{out | data: %__MODULE__{ref: handle, device: device}}
+    else
+      single_op(out, name, inputs, attrs)
+    end
+  end
+
+  defp op(%T{} = out, name, inputs, attrs), do: single_op(out, name, inputs, attrs)
+
+  defp single_op(out, name, inputs, attrs) do
     {result} = multi_op({out}, name, inputs, attrs)
     result
   end

@@ -240,7 +240,11 @@ defmodule Moat do
 
   Tensors created by other processes are not tracked; one created inside
   and stored elsewhere (ETS, another process) is released all the same.
-  Scopes nest: what an inner scope returns belongs to the outer one.
+  Scopes nest: what an inner scope returns belongs to the outer one. A
+  scope remembers every id created inside it until it closes (about 50
+  bytes each), so scope each iteration of a long loop rather than the loop.
+  Using a tensor the scope released fails at the next blocking call
+  (`Moat.Error`, "unknown tensor id").
 
       result = Moat.scope(fn -> x |> Nx.multiply(2) |> Nx.sum() end)
   """

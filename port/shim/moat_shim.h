@@ -113,6 +113,7 @@ int moat_pad(const moat_array* a, const int32_t* low, const int32_t* high, size_
 int moat_as_strided(const moat_array* a, const int32_t* shape, const int64_t* strides,
                     size_t ndim, size_t offset, moat_array** out);
 int moat_tril(const moat_array* a, int k, moat_array** out);
+int moat_diagonal(const moat_array* a, int offset, int axis1, int axis2, moat_array** out);
 
 // -- element-wise (elementwise.cpp)
 int moat_add(const moat_array* a, const moat_array* b, moat_array** out);

@@ -82,4 +82,8 @@ int moat_tril(const moat_array* a, int k, moat_array** out) {
   return produce(out, [&] { return mx::tril(arr(a), k); });
 }
 
+int moat_diagonal(const moat_array* a, int offset, int axis1, int axis2, moat_array** out) {
+  return produce(out, [&] { return mx::diagonal(arr(a), offset, axis1, axis2); });
+}
+
 }  // extern "C"

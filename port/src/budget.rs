@@ -21,7 +21,7 @@
 //! transposes, slices, reshapes of dense tensors) count nothing. The budget
 //! is process-wide, like MLX's allocator.
 
-use crate::mlx::{self, memory, Array};
+use crate::mlx::{self, memory, Array, Element};
 use crate::shared;
 use std::fmt;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -240,6 +240,17 @@ pub fn evaluate(arrays: &[&Array]) -> Result<(), EvalError> {
     }
     evaluate_step(step, step_bytes)?;
     mlx::eval(arrays).map_err(EvalError::Mlx)
+}
+
+/// Evaluates `array` within the limit and copies out its elements: for the
+/// few values (flags, bounds) a builder must know before it can go on.
+pub fn read<T: Element>(array: &Array) -> Result<Vec<T>, String> {
+    evaluate(&[array]).map_err(|e| e.to_string())?;
+    let evaluated = array.evaluate().map_err(|e| e.message)?;
+    let values = evaluated
+        .values::<T>()
+        .ok_or("read: the array is not of the requested type")?;
+    Ok(values.to_vec())
 }
 
 /// Evaluates the nodes of one step, then lets go of them: what nothing else

@@ -16,8 +16,8 @@ use crate::shared::{Mapped, Staged};
 use crate::term::Term;
 use crossbeam_channel::{bounded, Receiver, Sender};
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
 use std::io::{self, BufReader, BufWriter, Read, Write};
+use std::sync::{Arc, Mutex};
 
 pub enum Incoming {
     Request {
@@ -65,7 +65,7 @@ pub enum Outgoing {
 /// The op that failures of `upload_file` and `from_file` name: they are
 /// `from_binary` through shared memory, and a caller sees the same error
 /// whichever way the bytes travel.
-const UPLOAD: &str = "from_binary";
+const FROM_BINARY: &str = "from_binary";
 
 /// What the reader needs besides its input.
 #[derive(Clone)]
@@ -215,7 +215,10 @@ impl<R: Read> Reader<R> {
     }
 
     fn continue_upload(&mut self, req: Request, payload_len: usize) -> io::Result<Incoming> {
-        let id = req.outs.first().copied().unwrap_or(0);
+        let id = match req.outs.as_slice() {
+            [id] if req.ins.is_empty() => *id,
+            _ => return self.refuse(req, "upload", "upload defines exactly one id and reads none".into()),
+        };
         let Some(mut pending) = self.uploads.remove(&id) else {
             return self.refuse(req, "upload", format!("no upload in progress for tensor id {id}"));
         };
@@ -258,10 +261,10 @@ impl<R: Read> Reader<R> {
     /// where it is.
     fn stage(&mut self, req: Request) -> io::Result<Incoming> {
         if !self.config.shared_memory {
-            return self.refuse(req, UPLOAD, "shared memory is off in this worker".into());
+            return self.refuse(req, FROM_BINARY, "shared memory is off in this worker".into());
         }
         if req.seq == 0 {
-            return self.refuse(req, UPLOAD, "upload_file is a call: send it with a seq".into());
+            return self.refuse(req, FROM_BINARY, "upload_file is a call: send it with a seq".into());
         }
         if req.generation != self.config.generation {
             let message = format!(
@@ -272,19 +275,21 @@ impl<R: Read> Reader<R> {
         }
         let (shape, dtype, total) = match upload_attrs(&req) {
             Ok(v) => v,
-            Err(message) => return self.refuse(req, UPLOAD, message),
+            Err(message) => return self.refuse(req, FROM_BINARY, message),
         };
         let id = req.outs[0];
         if self.staged.contains_key(&id) || self.uploads.contains_key(&id) {
-            return self.refuse(req, UPLOAD, format!("tensor id {id} is already being uploaded"));
+            return self.refuse(req, FROM_BINARY, format!("tensor id {id} is already being uploaded"));
         }
         let staged = match Staged::new(shape, dtype, total).and_then(|s| s.location().map(|at| (s, at))) {
             Ok(v) => v,
-            Err(message) => return self.refuse(req, UPLOAD, format!("from_binary: {message}")),
+            Err(message) => return self.refuse(req, FROM_BINARY, format!("from_binary: {message}")),
         };
         let (staged, location) = staged;
         self.staged.insert(id, staged);
-        self.config.replies.send(Outgoing::Frame(protocol::ok(req.seq, location)));
+        self.config
+            .replies
+            .send(Outgoing::Frame(protocol::ok(req.seq, location)));
         Ok(Incoming::Consumed)
     }
 
@@ -292,12 +297,18 @@ impl<R: Read> Reader<R> {
     fn map_file(&mut self, req: Request) -> io::Result<Incoming> {
         let id = match req.outs.as_slice() {
             [id] if req.ins.is_empty() => *id,
-            _ => return self.refuse(req, UPLOAD, "from_file defines exactly one id and reads none".into()),
+            _ => {
+                return self.refuse(
+                    req,
+                    FROM_BINARY,
+                    "from_file defines exactly one id and reads none".into(),
+                )
+            }
         };
         let Some(staged) = self.staged.remove(&id) else {
             return self.refuse(
                 req,
-                UPLOAD,
+                FROM_BINARY,
                 format!("no shared file for tensor id {id} (see upload_file)"),
             );
         };
@@ -306,7 +317,7 @@ impl<R: Read> Reader<R> {
                 req,
                 upload: Some(Upload::Shared(mapped)),
             }),
-            Err(message) => self.refuse(req, UPLOAD, message),
+            Err(message) => self.refuse(req, FROM_BINARY, message),
         }
     }
 }
@@ -365,7 +376,13 @@ impl Replies {
     pub fn new(output: impl Write + Send + 'static, capacity: usize) -> (Replies, Writer) {
         let (queue, rx) = bounded(capacity);
         let sink: Sink = Arc::new(Mutex::new(BufWriter::with_capacity(64 << 10, Box::new(output))));
-        (Replies { queue, sink: sink.clone() }, Writer { sink, rx })
+        (
+            Replies {
+                queue,
+                sink: sink.clone(),
+            },
+            Writer { sink, rx },
+        )
     }
 
     /// Sends `msg`; a failed write means the client is gone, and the process

@@ -120,13 +120,17 @@ impl Session {
             );
             return self.fail(req.seq, &req.outs, Failure::new("stale_generation", message));
         }
-        if let Some(id) = req
-            .outs
-            .iter()
-            .find(|id| self.registry.contains(**id) || self.pins.contains_key(*id))
-        {
+        let defined = |id: &Id| self.registry.contains(*id) || self.pins.contains_key(id);
+        if let Some(id) = req.outs.iter().copied().find(defined) {
+            // The defined tensors stay as they are; only the others are
+            // poisoned, and the failure is reported unprompted when no
+            // caller waits for it.
+            let fresh: Vec<Id> = req.outs.iter().copied().filter(|id| !defined(id)).collect();
             let failure = Failure::new(&req.op, format!("tensor id {id} is already defined"));
-            return self.fail(req.seq, &req.outs, failure);
+            if req.seq == 0 && !fresh.is_empty() {
+                self.send(Outgoing::Frame(protocol::error(0, &failure.op, &failure.message)));
+            }
+            return self.fail(req.seq, &fresh, failure);
         }
         match req.op.as_str() {
             #[cfg(feature = "fault-injection")]
@@ -140,10 +144,13 @@ impl Session {
             "async_eval" => self.async_eval(&req),
             "metadata" => self.metadata(&req),
             "sync" => self.reply(req.seq, Term::atom("nil")),
-            "release" => req.ins.iter().for_each(|id| {
-                self.registry.release(*id);
-                self.pins.remove(id);
-            }),
+            "release" => {
+                for id in &req.ins {
+                    self.registry.release(*id);
+                    self.pins.remove(id);
+                }
+                self.reply(req.seq, Term::atom("nil"));
+            }
             "memory_info" | "reset_peak_memory" | "clear_cache" | "set_memory_limit" | "set_cache_limit" => {
                 self.memory_call(&req)
             }
@@ -307,16 +314,20 @@ impl Session {
         }
     }
 
+    /// Starts evaluating; errors resurface at the next blocking call on
+    /// these ids, so a call (seq > 0) is answered `nil` regardless.
     fn async_eval(&mut self, req: &Request) {
-        // Errors resurface at the next blocking call on these ids.
         if let Ok(arrays) = self.registry.inputs(&req.ins, &req.op) {
-            if let Err(e) = budget::admit_evaluation(&arrays) {
-                return log::debug!("async_eval skipped: {e}");
-            }
-            if let Err(e) = mlx::async_eval(&arrays) {
-                log::debug!("async_eval: {e}");
+            match budget::admit_evaluation(&arrays) {
+                Err(e) => log::debug!("async_eval skipped: {e}"),
+                Ok(()) => {
+                    if let Err(e) = mlx::async_eval(&arrays) {
+                        log::debug!("async_eval: {e}");
+                    }
+                }
             }
         }
+        self.reply(req.seq, Term::atom("nil"));
     }
 
     fn metadata(&mut self, req: &Request) {

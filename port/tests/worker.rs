@@ -3,6 +3,7 @@
 mod common;
 
 use common::*;
+use moat_port::protocol::map;
 use moat_port::term::Term;
 use std::time::Duration;
 
@@ -114,10 +115,51 @@ fn unknown_ops_ids_arity_and_attrs_are_clear_errors() {
     assert!(error_parts(&w.read(4, 5).unwrap_err())
         .1
         .contains("unsupported type :float"));
-    w.request(0, "add", &[1], &[1, 1], typed("f", 32));
-    assert!(error_parts(&w.read(5, 1).unwrap_err())
+}
+
+#[test]
+fn redefining_an_id_leaves_its_tensor_and_reports_the_error() {
+    let mut w = Worker::start(&[]);
+    w.upload_f32(1, &[2], &[1.0, 2.0]);
+    // Fire-and-forget: nothing waits, so the error comes unprompted; the
+    // request's other out is poisoned with it.
+    w.request(
+        0,
+        "top_k",
+        &[2, 1],
+        &[1],
+        map(vec![("k", Term::int(1)), ("index_type", ty("s", 64))]),
+    );
+    let (reply, _) = w.recv();
+    assert_eq!(reply.as_tuple().unwrap()[1], Term::int(0), "{reply}");
+    assert_eq!(
+        error_parts(&reply),
+        ("top_k".into(), "tensor id 1 is already defined".into())
+    );
+    assert_eq!(
+        error_parts(&w.read(1, 2).unwrap_err()),
+        ("top_k".into(), "tensor id 1 is already defined".into())
+    );
+    // A call gets the error itself.
+    w.request(2, "add", &[1], &[1, 1], typed("f", 32));
+    assert_eq!(
+        error_parts(&w.recv().0),
+        ("add".into(), "tensor id 1 is already defined".into())
+    );
+    assert_eq!(w.read_f32(3, 1), vec![1.0, 2.0]);
+}
+
+#[test]
+fn release_and_async_eval_sent_as_calls_are_answered() {
+    let mut w = Worker::start(&[]);
+    w.upload_f32(1, &[1], &[1.0]);
+    w.request(5, "async_eval", &[], &[1], nil());
+    assert_eq!(w.recv().0, Term::tuple(vec![Term::atom("ok"), Term::int(5), nil()]));
+    w.request(6, "release", &[], &[1], nil());
+    assert_eq!(w.recv().0, Term::tuple(vec![Term::atom("ok"), Term::int(6), nil()]));
+    assert!(error_parts(&w.read(7, 1).unwrap_err())
         .1
-        .contains("tensor id 1 is already defined"));
+        .contains("unknown tensor id 1"));
 }
 
 #[test]

@@ -141,6 +141,13 @@ extern "C" {
         out: *mut *mut moat_array,
     ) -> c_int;
     pub fn moat_tril(a: *const moat_array, k: c_int, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_diagonal(
+        a: *const moat_array,
+        offset: c_int,
+        axis1: c_int,
+        axis2: c_int,
+        out: *mut *mut moat_array,
+    ) -> c_int;
 
     // -- element-wise
     pub fn moat_add(a: *const moat_array, b: *const moat_array, out: *mut *mut moat_array) -> c_int;

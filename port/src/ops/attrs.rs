@@ -24,6 +24,50 @@ pub fn ints(t: &Term) -> Result<Vec<i32>, AttrError> {
         .collect()
 }
 
+/// An axis of a tensor of rank `rank`.
+pub fn axis(t: &Term, rank: usize) -> Result<i32, AttrError> {
+    let axis = int(t)?;
+    if axis < 0 || axis as usize >= rank {
+        return Err(format!("axis {axis} is out of range for a tensor of rank {rank}"));
+    }
+    Ok(axis)
+}
+
+/// A permutation of `0..rank`.
+pub fn permutation(t: &Term, rank: usize) -> Result<Vec<i32>, AttrError> {
+    let perm = ints(t)?;
+    let mut seen = vec![false; rank];
+    let valid = perm.len() == rank
+        && perm.iter().all(|&p| {
+            let fresh = usize::try_from(p).ok().filter(|&i| i < rank).is_some_and(|i| !seen[i]);
+            if fresh {
+                seen[p as usize] = true;
+            }
+            fresh
+        });
+    if !valid {
+        return Err(format!("{perm:?} is not a permutation of the {rank} axes"));
+    }
+    Ok(perm)
+}
+
+/// Integers that must each be at least 1 (strides, dilations, group sizes):
+/// MLX divides by them.
+pub fn positives(t: &Term) -> Result<Vec<i32>, AttrError> {
+    let values = ints(t)?;
+    if values.iter().any(|&v| v < 1) {
+        return Err(format!("expected positive integers, got {values:?}"));
+    }
+    Ok(values)
+}
+
+pub fn positive(t: &Term) -> Result<i32, AttrError> {
+    match int(t)? {
+        v if v >= 1 => Ok(v),
+        v => Err(format!("expected a positive integer, got {v}")),
+    }
+}
+
 pub fn float(t: &Term) -> Result<f64, AttrError> {
     match t {
         Term::Float(f) => Ok(*f),

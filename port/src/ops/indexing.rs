@@ -2,24 +2,25 @@
 //! add/put and slices whose start indices are tensors.
 //!
 //! MLX reads and writes out-of-range indices without checking (far out of
-//! range the process dies, slightly out it returns garbage), so every index
-//! is read back on the worker and checked before MLX sees it. Out-of-range
-//! indices fail the op, as they raise in Nx.BinaryBackend.
+//! range the process dies, slightly out it returns garbage), so every op
+//! checks its indices before MLX evaluates anything with them: it evaluates
+//! their lowest and highest values (within the memory limit; only those few
+//! numbers are copied out) and fails when one is out of range, as Nx.BinaryBackend
+//! raises. Index tuples become row numbers inside MLX.
 
-use super::compose::inverse;
+use super::compose::{int_const, inverse};
 use super::{attrs, finish, to_out_type, Outputs};
+use crate::budget;
 use crate::mlx::{ops, Array, Dtype};
 use crate::term::Term;
-use std::collections::HashMap;
 
 /// `gather(tensor, indices)`: indices `[..., k]` address the `axes` of the
 /// tensor; the result is `indices[..-1] ++ the other axes`.
 pub fn gather(x: &[&Array], a: &Term) -> Outputs {
     let (tensor, indices) = (x[0], x[1]);
     let axes = attrs::ints(attrs::field(a, "axes")?)?;
-    let shape = tensor.shape();
     let ishape = indices.shape();
-    let Some((&depth, outer)) = ishape.split_last() else {
+    let Some(&depth) = ishape.last() else {
         return Err("indices must have rank 1 or more".into());
     };
     let flat = Indexed::new(tensor, &axes)?;
@@ -29,24 +30,36 @@ pub fn gather(x: &[&Array], a: &Term) -> Outputs {
             axes.len()
         ));
     }
-    let linear = flat.linear(&read_indices(indices)?, &shape)?;
-    let idx = index_array(&linear, outer, flat.rows())?;
-    finish(ops::take(&flat.array, &idx, 0), a)
+    let rows = flat.rows(indices)?;
+    // SAFETY: `rows` are checked row numbers of `flat.array` (`Indexed::rows`).
+    finish(unsafe { ops::take(&flat.array, &rows, 0) }, a)
 }
 
 /// `take(tensor, indices, axis)`: the axis is replaced by the indices' shape.
 pub fn take(x: &[&Array], a: &Term) -> Outputs {
-    let axis = attrs::int(attrs::field(a, "axis")?)?;
-    check_axis_indices(x[0], x[1], axis)?;
-    finish(ops::take(x[0], x[1], axis), a)
+    let axis = attrs::axis(attrs::field(a, "axis")?, x[0].shape().len())?;
+    // SAFETY: the result is returned only once `check_axis_indices` passed;
+    // until then nothing evaluates it.
+    let taken = unsafe { ops::take(x[0], x[1], axis) }?;
+    checked(taken, x[0], x[1], axis, a)
 }
 
 /// `take_along_axis(tensor, indices, axis)`: indices have the tensor's shape
 /// except along the axis.
 pub fn take_along_axis(x: &[&Array], a: &Term) -> Outputs {
-    let axis = attrs::int(attrs::field(a, "axis")?)?;
-    check_axis_indices(x[0], x[1], axis)?;
-    finish(ops::take_along_axis(x[0], x[1], axis), a)
+    let axis = attrs::axis(attrs::field(a, "axis")?, x[0].shape().len())?;
+    // SAFETY: as in `take`.
+    let taken = unsafe { ops::take_along_axis(x[0], x[1], axis) }?;
+    checked(taken, x[0], x[1], axis, a)
+}
+
+/// `taken` once its indices are checked.
+fn checked(taken: Array, tensor: &Array, indices: &Array, axis: i32, a: &Term) -> Outputs {
+    let shape = tensor.shape();
+    if let Some((low, high)) = bounds(indices, false)? {
+        in_range(low[0], high[0], shape[axis as usize], axis, &shape)?;
+    }
+    finish(Ok(taken), a)
 }
 
 /// `indexed_add(target, indices, updates)`: duplicates accumulate.
@@ -55,8 +68,7 @@ pub fn indexed_add(x: &[&Array], a: &Term) -> Outputs {
 }
 
 /// `indexed_put(target, indices, updates)`: the last update at an index wins,
-/// as in Nx.BinaryBackend (MLX's scatter is unordered on duplicates, so only
-/// the last update of each index is passed to it).
+/// as in Nx.BinaryBackend.
 pub fn indexed_put(x: &[&Array], a: &Term) -> Outputs {
     indexed(x, a, Combine::Put)
 }
@@ -83,29 +95,49 @@ fn indexed(x: &[&Array], a: &Term, combine: Combine) -> Outputs {
             "updates of shape {ushape:?} do not fit indices {ishape:?} into {shape:?}"
         ));
     }
-    let mut linear = flat.linear(&read_indices(x[1])?, &shape)?;
-    if linear.is_empty() {
+    if ishape[0] == 0 {
         return finish(target.share(), a);
     }
+    let rows = flat.rows(x[1])?;
     // Updates [n, rest...] become slices [n, 1, rest...] of the flattened target.
     let mut slices = ushape.clone();
     slices.insert(1, 1);
-    let mut updates = ops::reshape(&updates, &slices)?;
-    if combine == Combine::Put {
-        let keep = last_occurrences(&linear, flat.rows());
-        if keep.len() < linear.len() {
-            let positions: Vec<i64> = keep.iter().map(|&i| i as i64).collect();
-            let n = positions.len() as i32;
-            updates = ops::take(&updates, &Array::from_values(&positions, &[n])?, 0)?;
-            linear = keep.iter().map(|&i| linear[i]).collect();
-        }
-    }
-    let idx = index_array(&linear, &[linear.len() as i32], flat.rows())?;
+    let updates = ops::reshape(&updates, &slices)?;
     let scattered = match combine {
-        Combine::Add => ops::scatter_add(&flat.array, &idx, &updates, 0)?,
-        Combine::Put => ops::scatter(&flat.array, &idx, &updates, 0)?,
+        // SAFETY: `rows` are checked row numbers of `flat.array`.
+        Combine::Add => unsafe { ops::scatter_add(&flat.array, &rows, &updates, 0) }?,
+        Combine::Put => put_last(&flat.array, &rows, &updates)?,
     };
     finish(flat.restore(&scattered), a)
+}
+
+/// `scatter` where the last update of a row wins. MLX writes duplicates in
+/// no set order, so every update but the last of its row goes to a spare row
+/// appended to the target, and the spare row is dropped afterwards.
+fn put_last(target: &Array, rows: &Array, updates: &Array) -> crate::mlx::Result<Array> {
+    let n = rows.shape()[0];
+    let total = target.shape()[0];
+    // A stable sort keeps each row's updates in their order.
+    let order = ops::argsort(rows, 0)?;
+    // SAFETY: `order` is a permutation of `0..n`, the positions of `rows`.
+    let sorted = unsafe { ops::take(rows, &order, 0) }?;
+    let head = ops::slice(&sorted, &[0], &[n - 1], &[1])?;
+    let next = ops::slice(&sorted, &[1], &[n], &[1])?;
+    let yes = ops::astype(&Array::scalar(1u8)?, Dtype::Bool)?;
+    let last_sorted = ops::concatenate(&[&ops::not_equal(&head, &next)?, &ops::reshape(&yes, &[1])?], 0)?;
+    // SAFETY: the inverse of the permutation `order` is one too.
+    let last = unsafe { ops::take(&last_sorted, &ops::argsort(&order, 0)?, 0) }?;
+    let rows = ops::where_(&last, rows, &int_const(total as i64, rows.dtype())?)?;
+    let rank = target.shape().len();
+    let mut spare = vec![0; rank];
+    spare[0] = 1;
+    let zero = ops::astype(&Array::scalar(0i32)?, target.dtype())?;
+    let extended = ops::pad(target, &vec![0; rank], &spare, &zero)?;
+    // SAFETY: `rows` are checked row numbers of `target` or its spare row.
+    let scattered = unsafe { ops::scatter(&extended, &rows, updates, 0) }?;
+    let mut stop = scattered.shape();
+    stop[0] = total;
+    ops::slice(&scattered, &vec![0; rank], &stop, &vec![1; rank])
 }
 
 /// A tensor with its indexed axes moved to the front and merged into one,
@@ -113,7 +145,8 @@ fn indexed(x: &[&Array], a: &Term, combine: Combine) -> Outputs {
 struct Indexed {
     array: Array,
     axes: Vec<i32>,
-    dims: Vec<i64>,
+    dims: Vec<i32>,
+    shape: Vec<i32>,
     permuted: Vec<i32>,
     perm: Vec<i32>,
 }
@@ -128,8 +161,8 @@ impl Indexed {
         let rest: Vec<i32> = (0..rank).filter(|ax| !axes.contains(ax)).collect();
         let perm: Vec<i32> = axes.iter().chain(&rest).copied().collect();
         let permuted: Vec<i32> = perm.iter().map(|&ax| shape[ax as usize]).collect();
-        let dims: Vec<i64> = axes.iter().map(|&ax| shape[ax as usize] as i64).collect();
-        let rows: i64 = dims.iter().product();
+        let dims: Vec<i32> = axes.iter().map(|&ax| shape[ax as usize]).collect();
+        let rows: i64 = dims.iter().map(|&d| d as i64).product();
         let rows = i32::try_from(rows).map_err(|_| format!("{rows} index combinations are too many"))?;
         let mut merged = vec![rows];
         merged.extend(rest.iter().map(|&ax| shape[ax as usize]));
@@ -138,104 +171,85 @@ impl Indexed {
             array,
             axes: axes.to_vec(),
             dims,
+            shape,
             permuted,
             perm,
         })
     }
 
-    fn rows(&self) -> i64 {
-        self.dims.iter().product()
-    }
-
-    /// Row numbers of index tuples (rows of `values`), each checked.
-    fn linear(&self, values: &[i64], shape: &[i32]) -> Result<Vec<i64>, String> {
-        let k = self.dims.len();
-        if k == 0 {
-            return Ok(vec![0; values.len()]);
+    /// The row number (s32) of each index tuple, the last axis of `indices`,
+    /// once every index is checked against its axis.
+    fn rows(&self, indices: &Array) -> Result<Array, String> {
+        let ishape = indices.shape();
+        let tuples = &ishape[..ishape.len() - 1];
+        if self.dims.is_empty() {
+            return Ok(ops::broadcast_to(&int_const(0, Dtype::S32)?, tuples)?);
         }
-        values
-            .chunks(k)
-            .map(|tuple| {
-                tuple
-                    .iter()
-                    .zip(&self.dims)
-                    .zip(&self.axes)
-                    .try_fold(0i64, |acc, ((&i, &dim), &axis)| {
-                        if i < 0 || i >= dim {
-                            Err(format!("index {i} is out of bounds for axis {axis} in shape {shape:?}"))
-                        } else {
-                            Ok(acc * dim + i)
-                        }
-                    })
-            })
-            .collect()
+        if let Some((low, high)) = bounds(indices, true)? {
+            for (j, (&dim, &axis)) in self.dims.iter().zip(&self.axes).enumerate() {
+                in_range(low[j], high[j], dim, axis, &self.shape)?;
+            }
+        }
+        // Row-major strides of the indexed axes; rows fit in s32 (`new`).
+        let mut strides = vec![1i32; self.dims.len()];
+        for j in (0..self.dims.len() - 1).rev() {
+            strides[j] = strides[j + 1] * self.dims[j + 1];
+        }
+        let strides = Array::from_values(&strides, &[strides.len() as i32])?;
+        let tuples = ops::astype(indices, Dtype::S32)?;
+        Ok(ops::sum(&ops::multiply(&tuples, &strides)?, &[-1], false)?)
     }
 
     /// The merged array back in the original shape and axis order.
     fn restore(&self, merged: &Array) -> crate::mlx::Result<Array> {
         let unmerged = ops::reshape(merged, &self.permuted)?;
-        ops::transpose(&unmerged, &inverse(&self.perm))
+        ops::transpose(&unmerged, &inverse(&self.perm)?)
     }
 }
 
-/// For each distinct value (a row number below `rows`), the position of its
-/// last occurrence, in order.
-fn last_occurrences(linear: &[i64], rows: i64) -> Vec<usize> {
-    let mut keep: Vec<usize> = if rows <= 4 * linear.len() as i64 + 4096 {
-        // Few rows: a table indexed by row.
-        let mut last = vec![usize::MAX; rows as usize];
-        for (i, &v) in linear.iter().enumerate() {
-            last[v as usize] = i;
-        }
-        last.into_iter().filter(|&i| i != usize::MAX).collect()
-    } else {
-        let mut last = HashMap::with_capacity(linear.len());
-        for (i, &v) in linear.iter().enumerate() {
-            last.insert(v, i);
-        }
-        last.into_values().collect()
-    };
-    keep.sort_unstable();
-    keep
-}
-
-/// Row numbers as an index array of `shape`, in the narrowest type MLX
-/// indexes with that holds them.
-fn index_array(linear: &[i64], shape: &[i32], rows: i64) -> Result<Array, String> {
-    if rows <= i32::MAX as i64 {
-        let narrow: Vec<i32> = linear.iter().map(|&i| i as i32).collect();
-        Ok(Array::from_values(&narrow, shape)?)
-    } else {
-        Ok(Array::from_values(linear, shape)?)
-    }
-}
-
-/// Checks that every element of `indices` addresses `tensor` along `axis`.
-fn check_axis_indices(tensor: &Array, indices: &Array, axis: i32) -> Result<(), String> {
-    let shape = tensor.shape();
-    let dim = *shape
-        .get(axis as usize)
-        .ok_or_else(|| format!("axis {axis} is out of range for shape {shape:?}"))?;
-    match read_indices(indices)?.into_iter().find(|&i| i < 0 || i >= dim as i64) {
-        Some(i) => Err(format!("index {i} is out of bounds for axis {axis} in shape {shape:?}")),
-        None => Ok(()),
-    }
-}
-
-/// Evaluates an integer tensor and returns its elements (u64 values beyond
-/// i64 are reported as i64::MAX, which no axis can hold).
-pub(super) fn read_indices(indices: &Array) -> Result<Vec<i64>, String> {
+/// The lowest and highest values of an integer tensor, or of each column
+/// (its last axis) when `per_column`; `None` when it has no elements. u64
+/// values beyond i64 read as i64::MAX, which no axis can hold.
+fn bounds(indices: &Array, per_column: bool) -> Result<Option<(Vec<i64>, Vec<i64>)>, String> {
     let dtype = indices.dtype();
     if dtype.is_float() || dtype == Dtype::Bool {
         return Err(format!("indices must be integers, got {:?}", dtype.nx()));
     }
-    if dtype == Dtype::U64 {
-        let evaluated = indices.evaluate()?;
-        let values = evaluated.values::<u64>().ok_or("indices were not u64")?;
-        return Ok(values.iter().map(|&v| i64::try_from(v).unwrap_or(i64::MAX)).collect());
+    if indices.size() == 0 {
+        return Ok(None);
     }
-    let evaluated = ops::astype(indices, Dtype::S64)?.evaluate()?;
-    Ok(evaluated.values::<i64>().ok_or("indices were not s64")?.to_vec())
+    let rank = indices.shape().len() as i32;
+    let axes: Vec<i32> = (0..if per_column { rank - 1 } else { rank }).collect();
+    let wide = if dtype == Dtype::U64 { Dtype::U64 } else { Dtype::S64 };
+    let flat = |r: crate::mlx::Result<Array>| ops::astype(&ops::reshape(&r?, &[-1])?, wide);
+    let low = flat(ops::min(indices, &axes, false))?;
+    let high = flat(ops::max(indices, &axes, false))?;
+    let both = ops::concatenate(&[&low, &high], 0)?;
+    let values: Vec<i64> = if wide == Dtype::U64 {
+        let values = budget::read::<u64>(&both)?;
+        values
+            .into_iter()
+            .map(|v| i64::try_from(v).unwrap_or(i64::MAX))
+            .collect()
+    } else {
+        budget::read::<i64>(&both)?
+    };
+    let (low, high) = values.split_at(values.len() / 2);
+    Ok(Some((low.to_vec(), high.to_vec())))
+}
+
+/// Fails when `low..=high` leaves `0..dim`, naming the offending index.
+fn in_range(low: i64, high: i64, dim: i32, axis: i32, shape: &[i32]) -> Result<(), String> {
+    let bad = if low < 0 {
+        low
+    } else if high >= dim as i64 {
+        high
+    } else {
+        return Ok(());
+    };
+    Err(format!(
+        "index {bad} is out of bounds for axis {axis} in shape {shape:?}"
+    ))
 }
 
 /// `slice(tensor, starts, lengths, strides)` with some starts given as
@@ -244,7 +258,7 @@ pub(super) fn read_indices(indices: &Array) -> Result<Vec<i64>, String> {
 pub fn slice(x: &[&Array], a: &Term) -> Outputs {
     let tensor = x[0];
     let lengths = attrs::ints(attrs::field(a, "lengths")?)?;
-    let strides = attrs::ints(attrs::field(a, "strides")?)?;
+    let strides = attrs::positives(attrs::field(a, "strides")?)?;
     let shape = tensor.shape();
     let start = clamped_starts(attrs::field(a, "starts")?, &x[1..], &shape, &lengths)?;
     let axes: Vec<i32> = (0..shape.len() as i32).collect();

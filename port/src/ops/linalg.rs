@@ -214,14 +214,11 @@ pub fn cholesky(x: &[&Array], a: &Term) -> Outputs {
     let work = work_type(a)?;
     let am = ops::astype(x[0], work)?;
     let l = ops::cholesky(&am, false)?;
-    let (n, _) = matrix_dims(&am.shape())?;
     let positive = ops::greater(&diagonal(&l)?, &float_const(0.0, work)?)?;
     let failed = cumulative_any(&ops::logical_not(&positive)?)?;
     let block = ops::logical_and(&expand(&failed, -1)?, &expand(&failed, -2)?)?;
-    let lower: Vec<u8> = (0..n * n).map(|ij| (ij / n >= ij % n) as u8).collect();
-    let lower = ops::astype(&Array::from_values(&lower, &[n, n])?, Dtype::Bool)?;
-    let nan = ops::logical_and(&block, &lower)?;
-    let l = ops::where_(&nan, &float_const(f64::NAN, work)?, &l)?;
+    // MLX's factor is zero above the diagonal, which stays so.
+    let l = ops::tril(&ops::where_(&block, &float_const(f64::NAN, work)?, &l)?, 0)?;
     finish(approximate_zeros(&l, 1.0e-10), a)
 }
 
@@ -232,9 +229,14 @@ pub fn eigh(x: &[&Array], a: &Term) -> Outputs {
     let eps = attrs::float(attrs::field(a, "eps")?)?;
     let [w, v] = ops::eigh(&ops::astype(x[0], work)?)?;
     let order = ops::argsort(&ops::negative(&abs(&w)?)?, -1)?;
-    let w = ops::take_along_axis(&w, &order, -1)?;
     let columns = ops::broadcast_to(&expand(&order, -2)?, &v.shape())?;
-    let v = ops::take_along_axis(&v, &columns, -1)?;
+    // SAFETY: `order` is an argsort along the last axis, so its indices lie in it.
+    let (w, v) = unsafe {
+        (
+            ops::take_along_axis(&w, &order, -1)?,
+            ops::take_along_axis(&v, &columns, -1)?,
+        )
+    };
     let v = ops::multiply(&v, &largest_sign(&v, -2)?)?;
     Ok(vec![
         finish_one(approximate_zeros(&w, eps)?, a)?,
@@ -328,25 +330,22 @@ pub fn determinant(x: &[&Array], a: &Term) -> Outputs {
             let minus = ops::add(&ops::add(&term((2, 1, 0))?, &term((0, 2, 1))?)?, &term((1, 0, 2))?)?;
             ops::subtract(&plus, &minus)?
         }
-        _ => lu_determinant(&am, n)?,
+        _ => lu_determinant(&am)?,
     };
     finish(Ok(det), a)
 }
 
 /// sign(pivots) * prod(diag(u)).
-fn lu_determinant(am: &Array, n: i32) -> Result<Array> {
+fn lu_determinant(am: &Array) -> Result<Array> {
     let [pivots, _, u] = ops::lu(am)?;
     let product = ops::prod(&diagonal(&u)?, &[-1], false)?;
     // The permutation's parity: the number of inversions in `pivots`.
     let p = ops::astype(&pivots, Dtype::S32)?;
-    let later = ops::greater(&expand(&p, -1)?, &expand(&p, -2)?)?;
-    let upper: Vec<u8> = (0..n * n).map(|ij| (ij / n < ij % n) as u8).collect();
-    let upper = ops::astype(&Array::from_values(&upper, &[n, n])?, Dtype::Bool)?;
-    let inversions = ops::sum(
-        &ops::astype(&ops::logical_and(&later, &upper)?, Dtype::S32)?,
-        &[-2, -1],
-        false,
-    )?;
+    // Pairs i < j with p[i] > p[j]: below the diagonal of `earlier`, which
+    // is `later` transposed.
+    let earlier = ops::less(&expand(&p, -1)?, &expand(&p, -2)?)?;
+    let pairs = ops::tril(&ops::astype(&earlier, Dtype::S32)?, -1)?;
+    let inversions = ops::sum(&pairs, &[-2, -1], false)?;
     let odd = ops::equal(
         &ops::remainder(&inversions, &int_const(2, Dtype::S32)?)?,
         &int_const(1, Dtype::S32)?,
@@ -387,26 +386,15 @@ fn take_last(x: &Array, axis: i32, start: i32, len: i32) -> Result<Array> {
     ops::slice(x, &lo, &hi, &vec![1; shape.len()])
 }
 
-fn eye(n: i32, dtype: Dtype) -> Result<Array> {
-    let values: Vec<f64> = (0..n * n).map(|ij| if ij / n == ij % n { 1.0 } else { 0.0 }).collect();
-    ops::astype(&Array::from_values(&values, &[n, n])?, dtype)
-}
-
 /// The diagonal of each matrix: `[..., n, n] -> [..., n]`.
 fn diagonal(x: &Array) -> Result<Array> {
-    let (n, _) = matrix_dims(&x.shape()).map_err(crate::mlx::Error::new)?;
-    let mask = ops::astype(&eye(n, Dtype::U8)?, Dtype::Bool)?;
-    ops::sum(&ops::where_(&mask, x, &float_const(0.0, x.dtype())?)?, &[-1], false)
+    ops::diagonal(x, 0, -2, -1)
 }
 
 /// `flags[..., i]` is true where any of `flags[..., 0..=i]` is.
 fn cumulative_any(flags: &Array) -> Result<Array> {
-    let shape = flags.shape();
-    let k = shape[shape.len() - 1];
-    let upper: Vec<f32> = (0..k * k).map(|ij| if ij / k <= ij % k { 1.0 } else { 0.0 }).collect();
-    let upper = Array::from_values(&upper, &[k, k])?;
-    let counts = ops::matmul(&expand(&ops::astype(flags, Dtype::F32)?, -2)?, &upper)?;
-    ops::greater(&squeeze(&counts, -2)?, &float_const(0.0, Dtype::F32)?)
+    let running = ops::cummax(&ops::astype(flags, Dtype::U8)?, -1, false)?;
+    ops::astype(&running, Dtype::Bool)
 }
 
 /// `signs[..., k]` followed by `extra` ones.
@@ -424,7 +412,8 @@ fn pad_ones(signs: &Array, extra: i32, work: Dtype) -> Result<Array> {
 /// sign of each vector's component of largest magnitude (the first on ties).
 fn largest_sign(v: &Array, axis: i32) -> Result<Array> {
     let at = ops::argmax(&abs(v)?, axis, true)?;
-    let value = ops::take_along_axis(v, &at, axis)?;
+    // SAFETY: `at` is an argmax along `axis`, so its indices lie in it.
+    let value = unsafe { ops::take_along_axis(v, &at, axis) }?;
     let negative = ops::less(&value, &float_const(0.0, v.dtype())?)?;
     ops::where_(&negative, &float_const(-1.0, v.dtype())?, &float_const(1.0, v.dtype())?)
 }

@@ -116,7 +116,7 @@ fn last_index(x: &Array, axis: i32, reduce: ArgReduce) -> Result<Array> {
 macro_rules! scan {
     ($($name:ident => $scan:path),* $(,)?) => {$(
         pub fn $name(x: &[&Array], a: &Term) -> Outputs {
-            let axis = attrs::int(attrs::field(a, "axis")?)?;
+            let axis = attrs::axis(attrs::field(a, "axis")?, x[0].shape().len())?;
             let reverse = attrs::boolean(attrs::field(a, "reverse")?)?;
             finish($scan(&to_out_type(x[0], a)?, axis, reverse), a)
         }
@@ -169,7 +169,7 @@ fn descending(a: &Term) -> std::result::Result<bool, String> {
 /// Stable sort along `axis`; NaN sorts above +inf (last ascending, first
 /// descending), as in Nx.BinaryBackend.
 pub fn sort(x: &[&Array], a: &Term) -> Outputs {
-    let axis = attrs::int(attrs::field(a, "axis")?)?;
+    let axis = attrs::axis(attrs::field(a, "axis")?, x[0].shape().len())?;
     let desc = descending(a)?;
     finish(sort_values(x[0], axis, desc), a)
 }
@@ -186,7 +186,7 @@ fn sort_values(x: &Array, axis: i32, desc: bool) -> Result<Array> {
 }
 
 pub fn argsort(x: &[&Array], a: &Term) -> Outputs {
-    let axis = attrs::int(attrs::field(a, "axis")?)?;
+    let axis = attrs::axis(attrs::field(a, "axis")?, x[0].shape().len())?;
     let desc = descending(a)?;
     finish(sort_indices(x[0], axis, desc), a)
 }

@@ -11,7 +11,15 @@ pub fn astype(x: &[&Array], a: &Term) -> Outputs {
 
 /// The same bytes read as another type of the same width.
 pub fn bitcast(x: &[&Array], a: &Term) -> Outputs {
-    finish(ops::view(x[0], attrs::dtype(attrs::field(a, "type")?)?), a)
+    let (from, to) = (x[0].dtype(), attrs::dtype(attrs::field(a, "type")?)?);
+    if from.size() != to.size() {
+        return Err(format!(
+            "cannot bitcast {:?} to {:?}: they differ in width",
+            from.nx(),
+            to.nx()
+        ));
+    }
+    finish(ops::view(x[0], to), a)
 }
 
 pub fn reshape(x: &[&Array], a: &Term) -> Outputs {

@@ -16,8 +16,6 @@ use crate::term::Term;
 /// kernel `[O, C / groups, spatial...]` after their permutations, output
 /// `[N / batch_groups, O, spatial...]` before the output permutation.
 pub fn conv(x: &[&Array], a: &Term) -> Outputs {
-    let ints = |key| attrs::ints(attrs::field(a, key)?);
-    let int = |key| attrs::int(attrs::field(a, key)?);
     // Half floats accumulate in f32 and round once, as Nx's do.
     let work = |t: &Array| -> Result<Array> {
         match t.dtype() {
@@ -25,9 +23,12 @@ pub fn conv(x: &[&Array], a: &Term) -> Outputs {
             _ => t.share(),
         }
     };
-    let input = ops::transpose(&work(&to_out_type(x[0], a)?)?, &ints("input_permutation")?)?;
-    let kernel = ops::transpose(&work(&to_out_type(x[1], a)?)?, &ints("kernel_permutation")?)?;
-    let (fg, bg) = (int("feature_group_size")?, int("batch_group_size")?);
+    let perm = |key, t: &Array| attrs::permutation(attrs::field(a, key)?, t.shape().len());
+    let (input, kernel) = (to_out_type(x[0], a)?, to_out_type(x[1], a)?);
+    let input = ops::transpose(&work(&input)?, &perm("input_permutation", &input)?)?;
+    let kernel = ops::transpose(&work(&kernel)?, &perm("kernel_permutation", &kernel)?)?;
+    let positive = |key| attrs::positive(attrs::field(a, key)?);
+    let (fg, bg) = (positive("feature_group_size")?, positive("batch_group_size")?);
     let shape = input.shape();
     let rank = shape.len();
     if rank < 3 {
@@ -35,9 +36,10 @@ pub fn conv(x: &[&Array], a: &Term) -> Outputs {
     }
     let spatial = rank - 2;
     let padding = pairs(attrs::field(a, "padding")?)?;
-    let strides = ints("strides")?;
-    let mut input_dilation = ints("input_dilation")?;
-    let mut kernel_dilation = ints("kernel_dilation")?;
+    let positives = |key| attrs::positives(attrs::field(a, key)?);
+    let strides = positives("strides")?;
+    let mut input_dilation = positives("input_dilation")?;
+    let mut kernel_dilation = positives("kernel_dilation")?;
     if [
         padding.len(),
         strides.len(),
@@ -102,7 +104,8 @@ pub fn conv(x: &[&Array], a: &Term) -> Outputs {
     };
     let channels_first: Vec<i32> = [&[0, rank as i32 - 1][..], &(1..rank as i32 - 1).collect::<Vec<_>>()].concat();
     let nx_layout = ops::transpose(&result, &channels_first)?;
-    finish(ops::transpose(&nx_layout, &inverse(&ints("output_permutation")?)), a)
+    let output_permutation = perm("output_permutation", &nx_layout)?;
+    finish(ops::transpose(&nx_layout, &inverse(&output_permutation)?), a)
 }
 
 /// MLX convolves real types only: (a + bi) * (c + di) = (ac - bd) + (ad + bc)i.
@@ -394,7 +397,9 @@ impl Windows {
         // the view is copied out because MLX's reductions misread some
         // overlapping views (measured: prod over a dilated window view).
         let dense = ops::contiguous(padded)?;
-        ops::contiguous(&ops::as_strided(&dense, &shape, &strides, 0)?)
+        // SAFETY: `dense` is row-contiguous and `fits` checked that the last
+        // element of every window lies inside it.
+        ops::contiguous(&unsafe { ops::as_strided(&dense, &shape, &strides, 0) }?)
     }
 }
 
@@ -440,8 +445,7 @@ fn window_scatter(x: &[&Array], a: &Term, max: bool) -> Outputs {
         &[windows.out.clone(), vec![window_size]].concat(),
     )?;
     // The last best position: the first of the reversed window.
-    let reversed: Vec<i32> = (0..window_size).rev().collect();
-    let reversed = ops::take(&flat_windows, &Array::from_values(&reversed, &[window_size])?, -1)?;
+    let reversed = ops::flip(&flat_windows, &[-1])?;
     let first = if max {
         ops::argmax(&reversed, -1, false)?
     } else {
@@ -487,12 +491,15 @@ fn window_scatter(x: &[&Array], a: &Term, max: bool) -> Outputs {
     if n == 0 || total == 0 {
         return finish(ops::reshape(&base, &shape), a);
     }
-    let scattered = ops::scatter_add(
-        &base,
-        &ops::reshape(&linear, &[n])?,
-        &ops::reshape(&values, &[n, 1])?,
-        0,
-    )?;
+    // SAFETY: `linear` is a position inside the tensor (`inside`), or 0.
+    let scattered = unsafe {
+        ops::scatter_add(
+            &base,
+            &ops::reshape(&linear, &[n])?,
+            &ops::reshape(&values, &[n, 1])?,
+            0,
+        )
+    }?;
     finish(ops::reshape(&scattered, &shape), a)
 }
 

@@ -92,11 +92,17 @@ pub fn pad(a: &Array, low: &[i32], high: &[i32], value: &Array) -> Result<Array>
     Array::from_call(|out| unsafe { ffi::moat_pad(a.raw(), low.as_ptr(), high.as_ptr(), low.len(), value.raw(), out) })
 }
 
-pub fn as_strided(a: &Array, shape: &[i32], strides: &[i64], offset: usize) -> Result<Array> {
+/// A view of `a`'s buffer with the given shape and element strides.
+///
+/// # Safety
+/// `a` must be row-contiguous and every element the view addresses must lie
+/// inside its buffer: MLX reads the view without checking it.
+pub unsafe fn as_strided(a: &Array, shape: &[i32], strides: &[i64], offset: usize) -> Result<Array> {
     if shape.len() != strides.len() {
         return Err(Error::new("as_strided: shape and strides differ in length"));
     }
-    // SAFETY: `a` is live; `shape` and `strides` hold `shape.len()` elements.
+    // SAFETY: `a` is live; `shape` and `strides` hold `shape.len()` elements;
+    // the view fits (the caller's part).
     Array::from_call(|out| unsafe {
         ffi::moat_as_strided(a.raw(), shape.as_ptr(), strides.as_ptr(), shape.len(), offset, out)
     })
@@ -105,4 +111,11 @@ pub fn as_strided(a: &Array, shape: &[i32], strides: &[i64], offset: usize) -> R
 pub fn tril(a: &Array, k: i32) -> Result<Array> {
     // SAFETY: `a` is live for the call.
     Array::from_call(|out| unsafe { ffi::moat_tril(a.raw(), k, out) })
+}
+
+/// The `offset` diagonal of the matrices spanned by `axis1` and `axis2`,
+/// as a new last axis.
+pub fn diagonal(a: &Array, offset: i32, axis1: i32, axis2: i32) -> Result<Array> {
+    // SAFETY: `a` is live for the call.
+    Array::from_call(|out| unsafe { ffi::moat_diagonal(a.raw(), offset, axis1, axis2, out) })
 }

@@ -83,6 +83,17 @@ defmodule Moat.CrashGuardTest do
       assert_survived(ctx)
     end
 
+    test "indices too many for the memory limit (once: SIGSEGV while checking them)", ctx do
+      t = moat(Nx.iota({4}, type: :f32))
+      # 2^34 indices as a broadcast: no bytes until something evaluates them.
+      indices = Nx.broadcast(moat(Nx.tensor(0, type: :u8)), {131_072, 131_072})
+      error = assert_raise Error, fn -> t |> Nx.take(indices) |> Nx.to_binary() end
+      assert error.message =~ "memory limit exceeded"
+      few = Nx.broadcast(moat(Nx.tensor(3, type: :u8)), {1000})
+      assert Nx.to_flat_list(Nx.take(t, few)) == List.duplicate(3.0, 1000)
+      assert_survived(ctx)
+    end
+
     test "a failed index check poisons what depends on it, nothing else", ctx do
       t = moat(Nx.iota({3}))
       bad = Nx.take(t, moat(Nx.tensor([7])))

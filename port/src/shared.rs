@@ -47,8 +47,18 @@ impl Staged {
         if len == 0 {
             return Err("an empty tensor travels in its from_binary frame".into());
         }
+        // Taken first, so that making room does not clear the very file
+        // reused; given back if there is no room.
         let cached = cache().take(len);
-        let held = budget().hold(len).map_err(|e| e.to_string())?;
+        let held = match budget().hold(len) {
+            Ok(held) => held,
+            Err(e) => {
+                if let Some(file) = cached {
+                    cache().put(len, file);
+                }
+                return Err(e.to_string());
+            }
+        };
         let file = match cached {
             Some(file) => file,
             None => Kept::new(new_file(len)?),

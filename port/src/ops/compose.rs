@@ -2,22 +2,6 @@
 
 use crate::mlx::{ops, Array, Dtype, Error, Result};
 
-/// A scalar of `dtype` holding the integer `v` (MLX promotes mixed types, so
-/// constants must have the exact type of the array they meet).
-pub fn int_const(v: i64, dtype: Dtype) -> Result<Array> {
-    ops::astype(&Array::scalar(v)?, dtype)
-}
-
-/// A scalar of `dtype` holding the bit pattern `v` (for unsigned masks).
-pub fn bits_const(v: u64, dtype: Dtype) -> Result<Array> {
-    ops::astype(&Array::scalar(v)?, dtype)
-}
-
-/// A scalar of `dtype` holding the float `v`.
-pub fn float_const(v: f64, dtype: Dtype) -> Result<Array> {
-    ops::astype(&Array::scalar(v)?, dtype)
-}
-
 /// The permutation that undoes `perm` (a permutation of `0..perm.len()`).
 pub fn inverse(perm: &[i32]) -> Result<Vec<i32>> {
     let mut inv = vec![-1; perm.len()];
@@ -43,10 +27,6 @@ pub fn unsigned(dtype: Dtype) -> Dtype {
 
 pub fn is_signed(dtype: Dtype) -> bool {
     matches!(dtype, Dtype::S8 | Dtype::S16 | Dtype::S32 | Dtype::S64)
-}
-
-pub fn is_integer(dtype: Dtype) -> bool {
-    !dtype.is_float() && dtype != Dtype::Bool
 }
 
 /// Product of dimensions, saturating at `i64::MAX`.

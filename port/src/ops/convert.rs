@@ -30,7 +30,8 @@ pub fn int_bounds(d: Dtype) -> (i128, i128) {
 }
 
 /// A 0-d array of `dtype` holding the integer `v` (wrapped to the type).
-pub fn int_scalar(v: i128, dtype: Dtype) -> Result<Array> {
+pub fn int_scalar(v: impl Into<i128>, dtype: Dtype) -> Result<Array> {
+    let v: i128 = v.into();
     let s = if v > i64::MAX as i128 {
         ops::scalar_u64(v as u64)?
     } else {

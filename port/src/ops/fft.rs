@@ -2,7 +2,7 @@
 //! with zeros or truncated to its length, and components within `eps` of
 //! zero are rounded to zero, as Nx.BinaryBackend does.
 
-use super::compose::float_const;
+use super::convert::float_scalar;
 use super::window::complex;
 use super::{attrs, finish, Outputs};
 use crate::mlx::{ops, Array, Dtype, Result};
@@ -78,8 +78,8 @@ fn transform(x: &Array, a: &Term, kind: Kind, axes_key: &str, lengths_key: &str)
 /// Real and imaginary parts within `eps` of zero become zero.
 fn round_small(x: &Array, eps: f64) -> Result<Array> {
     let round = |part: &Array| -> Result<Array> {
-        let zero = float_const(0.0, part.dtype())?;
-        let eps = float_const(eps, part.dtype())?;
+        let zero = float_scalar(0.0, part.dtype())?;
+        let eps = float_scalar(eps, part.dtype())?;
         let small = ops::logical_and(
             &ops::logical_not(&ops::greater(part, &eps)?)?,
             &ops::logical_not(&ops::less(part, &ops::negative(&eps)?)?)?,

@@ -8,7 +8,8 @@
 //! numbers are copied out) and fails when one is out of range, as Nx.BinaryBackend
 //! raises. Index tuples become row numbers inside MLX.
 
-use super::compose::{int_const, inverse};
+use super::compose::inverse;
+use super::convert::int_scalar;
 use super::{attrs, finish, to_out_type, Outputs};
 use crate::budget;
 use crate::mlx::{ops, Array, Dtype};
@@ -127,7 +128,7 @@ fn put_last(target: &Array, rows: &Array, updates: &Array) -> crate::mlx::Result
     let last_sorted = ops::concatenate(&[&ops::not_equal(&head, &next)?, &ops::reshape(&yes, &[1])?], 0)?;
     // SAFETY: the inverse of the permutation `order` is one too.
     let last = unsafe { ops::take(&last_sorted, &ops::argsort(&order, 0)?, 0) }?;
-    let rows = ops::where_(&last, rows, &int_const(total as i64, rows.dtype())?)?;
+    let rows = ops::where_(&last, rows, &int_scalar(total as i64, rows.dtype())?)?;
     let rank = target.shape().len();
     let mut spare = vec![0; rank];
     spare[0] = 1;
@@ -183,7 +184,7 @@ impl Indexed {
         let ishape = indices.shape();
         let tuples = &ishape[..ishape.len() - 1];
         if self.dims.is_empty() {
-            return Ok(ops::broadcast_to(&int_const(0, Dtype::S32)?, tuples)?);
+            return Ok(ops::broadcast_to(&int_scalar(0, Dtype::S32)?, tuples)?);
         }
         if let Some((low, high)) = bounds(indices, true)? {
             for (j, (&dim, &axis)) in self.dims.iter().zip(&self.axes).enumerate() {

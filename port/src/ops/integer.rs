@@ -8,7 +8,8 @@
 //! fails the op, as it raises in Nx.BinaryBackend (the divisor is evaluated,
 //! within the memory limit, to check); float remainders by zero are NaN, as in IEEE 754.
 
-use super::compose::{bits_const, int_const, is_integer, is_signed, unsigned};
+use super::compose::{is_signed, unsigned};
+use super::convert::{int_scalar, is_integer};
 use super::{finish, to_out_type, Outputs};
 use crate::mlx::{ops, Array, Dtype, Result};
 use crate::term::Term;
@@ -23,7 +24,7 @@ pub fn quotient(x: &[&Array], a: &Term) -> Outputs {
     if !is_signed(dtype) {
         return finish(ops::floor_divide(&l, &r), a);
     }
-    let zero = int_const(0, dtype)?;
+    let zero = int_scalar(0, dtype)?;
     let (divisor, minus_one) = without_minus_one(&r)?;
     let floor = ops::floor_divide(&l, &divisor)?;
     // Floor and truncation differ by one when the division is inexact and
@@ -48,7 +49,7 @@ pub fn remainder(x: &[&Array], a: &Term) -> Outputs {
     if !is_signed(dtype) {
         return finish(ops::remainder(&l, &r), a);
     }
-    let zero = int_const(0, dtype)?;
+    let zero = int_scalar(0, dtype)?;
     let (divisor, minus_one) = without_minus_one(&r)?;
     let floored = ops::remainder(&l, &divisor)?;
     // MLX's result has the divisor's sign; Nx's has the dividend's.
@@ -62,8 +63,8 @@ pub fn remainder(x: &[&Array], a: &Term) -> Outputs {
 /// The divisor with its -1s replaced by 1 (MLX traps on `MIN / -1`), and
 /// where they were, for the caller to put its own result there.
 fn without_minus_one(r: &Array) -> Result<(Array, Array)> {
-    let minus_one = ops::equal(r, &int_const(-1, r.dtype())?)?;
-    let divisor = ops::where_(&minus_one, &int_const(1, r.dtype())?, r)?;
+    let minus_one = ops::equal(r, &int_scalar(-1, r.dtype())?)?;
+    let divisor = ops::where_(&minus_one, &int_scalar(1, r.dtype())?, r)?;
     Ok((divisor, minus_one))
 }
 
@@ -71,7 +72,7 @@ fn without_minus_one(r: &Array) -> Result<(Array, Array)> {
 /// dividend).
 fn check_divisor(divisor: &Array) -> std::result::Result<(), String> {
     let all: Vec<i32> = (0..divisor.shape().len() as i32).collect();
-    let zero = ops::any(&ops::equal(divisor, &int_const(0, divisor.dtype())?)?, &all, false)?;
+    let zero = ops::any(&ops::equal(divisor, &int_scalar(0, divisor.dtype())?)?, &all, false)?;
     match crate::budget::read::<u8>(&ops::astype(&zero, Dtype::U8)?)?[..] {
         [0] => Ok(()),
         _ => Err("division by zero".into()),
@@ -86,6 +87,7 @@ fn float_remainder(l: &Array, r: &Array) -> Result<Array> {
     ops::where_(&negative, &ops::negative(&magnitude)?, &magnitude)
 }
 
+/// `|x|` that keeps the sign of a zero (fmod's result takes the dividend's).
 fn abs(x: &Array) -> Result<Array> {
     let zero = ops::astype(&Array::scalar(0.0f64)?, x.dtype())?;
     ops::where_(&ops::less(x, &zero)?, &ops::negative(x)?, x)
@@ -115,10 +117,10 @@ pub fn count_leading_zeros(x: &[&Array], a: &Term) -> Outputs {
     let mut v = ops::view(x[0], u)?;
     let mut shift = 1;
     while shift < width {
-        v = ops::bitwise_or(&v, &ops::right_shift(&v, &bits_const(shift, u)?)?)?;
+        v = ops::bitwise_or(&v, &ops::right_shift(&v, &int_scalar(shift, u)?)?)?;
         shift *= 2;
     }
-    let zeros = ops::subtract(&bits_const(width, u)?, &popcount(&v)?)?;
+    let zeros = ops::subtract(&int_scalar(width, u)?, &popcount(&v)?)?;
     finish(ops::astype(&zeros, dtype), a)
 }
 
@@ -126,7 +128,7 @@ pub fn count_leading_zeros(x: &[&Array], a: &Term) -> Outputs {
 fn popcount(v: &Array) -> Result<Array> {
     let u = v.dtype();
     let width = u.size() * 8;
-    let c = |bits: u64| bits_const(bits, u);
+    let c = |bits: u64| int_scalar(bits, u);
     let mask = |byte: u64| c(u64::from_le_bytes([byte as u8; 8]));
     let shr = |x: &Array, n: u64| ops::right_shift(x, &c(n)?);
     let v = ops::subtract(v, &ops::bitwise_and(&shr(v, 1)?, &mask(0x55)?)?)?;

@@ -6,7 +6,8 @@
 //! floats are computed in f32 and converted back; complex inputs are left to
 //! the client (Nx's default implementations).
 
-use super::compose::{count, expand, float_const, int_const, is_integer, squeeze, swap_last, unsigned};
+use super::compose::{count, expand, squeeze, swap_last, unsigned};
+use super::convert::{float_scalar, int_scalar, is_integer};
 use super::{attrs, finish, to_out_type, Outputs};
 use crate::mlx::{ops, Array, Dtype, Result};
 use crate::term::Term;
@@ -77,10 +78,10 @@ fn exact_int_matmul(l: &Array, r: &Array, k: i32) -> Result<Array> {
     let limbs = bits.div_ceil(w);
     let split = |x: &Array| -> Result<Vec<Array>> {
         let wide = ops::astype(&ops::view(x, u)?, Dtype::U64)?;
-        let mask = int_const((1i64 << w) - 1, Dtype::U64)?;
+        let mask = int_scalar((1i64 << w) - 1, Dtype::U64)?;
         (0..limbs)
             .map(|i| {
-                let shifted = ops::right_shift(&wide, &int_const((w * i) as i64, Dtype::U64)?)?;
+                let shifted = ops::right_shift(&wide, &int_scalar((w * i) as i64, Dtype::U64)?)?;
                 ops::astype(&ops::bitwise_and(&shifted, &mask)?, Dtype::F64)
             })
             .collect()
@@ -94,7 +95,7 @@ fn exact_int_matmul(l: &Array, r: &Array, k: i32) -> Result<Array> {
                 break;
             }
             let part = ops::astype(&ops::matmul(&la[i as usize], &lb[j as usize])?, Dtype::U64)?;
-            let part = ops::left_shift(&part, &int_const(shift as i64, Dtype::U64)?)?;
+            let part = ops::left_shift(&part, &int_scalar(shift as i64, Dtype::U64)?)?;
             acc = Some(match acc {
                 Some(sum) => ops::add(&sum, &part)?,
                 None => part,
@@ -164,7 +165,7 @@ pub fn qr(x: &[&Array], a: &Term) -> Outputs {
         // are reflected exactly as a's and the zero columns need no
         // reflection, so q is the product of a's n reflections, as in Nx.
         let zeros = ops::broadcast_to(
-            &float_const(0.0, work)?,
+            &float_scalar(0.0, work)?,
             &[&shape[..shape.len() - 2], &[m, m - n]].concat(),
         )?;
         let [q, r] = ops::qr(&ops::concatenate(&[&am, &zeros], -1)?)?;
@@ -190,13 +191,13 @@ pub fn qr(x: &[&Array], a: &Term) -> Outputs {
 /// to 1 and the last one follows from the others.
 fn reflection_signs(am: &Array, r: &Array, m: i32, k: i32) -> Result<Array> {
     let work = am.dtype();
-    let zero = float_const(0.0, work)?;
+    let zero = float_scalar(0.0, work)?;
     let below = ops::tril(&take_last(am, -1, 0, k)?, -1)?;
     let column_nonzero = ops::any(&ops::not_equal(&below, &zero)?, &[-2], false)?;
     let reflected = cumulative_any(&column_nonzero)?;
     let negative = ops::less(&diagonal(&take_last(&take_last(r, -2, 0, k)?, -1, 0, k)?)?, &zero)?;
     let flip = ops::logical_and(&reflected, &negative)?;
-    let signs = ops::where_(&flip, &float_const(-1.0, work)?, &float_const(1.0, work)?)?;
+    let signs = ops::where_(&flip, &float_scalar(-1.0, work)?, &float_scalar(1.0, work)?)?;
     if m > k || k == 1 {
         return Ok(signs);
     }
@@ -214,11 +215,11 @@ pub fn cholesky(x: &[&Array], a: &Term) -> Outputs {
     let work = work_type(a)?;
     let am = ops::astype(x[0], work)?;
     let l = ops::cholesky(&am, false)?;
-    let positive = ops::greater(&diagonal(&l)?, &float_const(0.0, work)?)?;
+    let positive = ops::greater(&diagonal(&l)?, &float_scalar(0.0, work)?)?;
     let failed = cumulative_any(&ops::logical_not(&positive)?)?;
     let block = ops::logical_and(&expand(&failed, -1)?, &expand(&failed, -2)?)?;
     // MLX's factor is zero above the diagonal, which stays so.
-    let l = ops::tril(&ops::where_(&block, &float_const(f64::NAN, work)?, &l)?, 0)?;
+    let l = ops::tril(&ops::where_(&block, &float_scalar(f64::NAN, work)?, &l)?, 0)?;
     finish(approximate_zeros(&l, 1.0e-10), a)
 }
 
@@ -228,7 +229,7 @@ pub fn eigh(x: &[&Array], a: &Term) -> Outputs {
     let work = work_type(a)?;
     let eps = attrs::float(attrs::field(a, "eps")?)?;
     let [w, v] = ops::eigh(&ops::astype(x[0], work)?)?;
-    let order = ops::argsort(&ops::negative(&abs(&w)?)?, -1)?;
+    let order = ops::argsort(&ops::negative(&ops::abs(&w)?)?, -1)?;
     let columns = ops::broadcast_to(&expand(&order, -2)?, &v.shape())?;
     // SAFETY: `order` is an argsort along the last axis, so its indices lie in it.
     let (w, v) = unsafe {
@@ -271,7 +272,7 @@ pub fn svd(x: &[&Array], a: &Term) -> Outputs {
         )
     };
     // Flipping a zero leaves -0.0; adding +0.0 makes it 0.0 again.
-    let zero = float_const(0.0, work)?;
+    let zero = float_scalar(0.0, work)?;
     let (u, vt) = (ops::add(&u, &zero)?, ops::add(&vt, &zero)?);
     Ok(vec![finish_one(u, a)?, finish_one(s, a)?, finish_one(vt, a)?])
 }
@@ -316,7 +317,7 @@ pub fn determinant(x: &[&Array], a: &Term) -> Outputs {
         squeeze(&squeeze(&entry, -1)?, -1)
     };
     let det = match n {
-        0 => ops::broadcast_to(&float_const(1.0, work)?, &am.shape()[..am.shape().len() - 2])?,
+        0 => ops::broadcast_to(&float_scalar(1.0, work)?, &am.shape()[..am.shape().len() - 2])?,
         1 => e(0, 0)?,
         2 => ops::subtract(
             &ops::multiply(&e(0, 0)?, &e(1, 1)?)?,
@@ -347,8 +348,8 @@ fn lu_determinant(am: &Array) -> Result<Array> {
     let pairs = ops::tril(&ops::astype(&earlier, Dtype::S32)?, -1)?;
     let inversions = ops::sum(&pairs, &[-2, -1], false)?;
     let odd = ops::equal(
-        &ops::remainder(&inversions, &int_const(2, Dtype::S32)?)?,
-        &int_const(1, Dtype::S32)?,
+        &ops::remainder(&inversions, &int_scalar(2, Dtype::S32)?)?,
+        &int_scalar(1, Dtype::S32)?,
     )?;
     ops::where_(&odd, &ops::negative(&product)?, &product)
 }
@@ -404,29 +405,28 @@ fn pad_ones(signs: &Array, extra: i32, work: Dtype) -> Result<Array> {
     }
     let mut shape = signs.shape();
     *shape.last_mut().expect("rank >= 1") = extra;
-    let ones = ops::broadcast_to(&float_const(1.0, work)?, &shape)?;
+    let ones = ops::broadcast_to(&float_scalar(1.0, work)?, &shape)?;
     ops::concatenate(&[signs, &ones], -1)
 }
 
 /// ±1 per vector along `axis` (the other matrix axis kept as size 1): the
 /// sign of each vector's component of largest magnitude (the first on ties).
 fn largest_sign(v: &Array, axis: i32) -> Result<Array> {
-    let at = ops::argmax(&abs(v)?, axis, true)?;
+    let at = ops::argmax(&ops::abs(v)?, axis, true)?;
     // SAFETY: `at` is an argmax along `axis`, so its indices lie in it.
     let value = unsafe { ops::take_along_axis(v, &at, axis) }?;
-    let negative = ops::less(&value, &float_const(0.0, v.dtype())?)?;
-    ops::where_(&negative, &float_const(-1.0, v.dtype())?, &float_const(1.0, v.dtype())?)
-}
-
-fn abs(x: &Array) -> Result<Array> {
-    let zero = float_const(0.0, x.dtype())?;
-    ops::where_(&ops::less(x, &zero)?, &ops::negative(x)?, x)
+    let negative = ops::less(&value, &float_scalar(0.0, v.dtype())?)?;
+    ops::where_(
+        &negative,
+        &float_scalar(-1.0, v.dtype())?,
+        &float_scalar(1.0, v.dtype())?,
+    )
 }
 
 /// Entries within `eps` of zero become zero, as Nx's algorithms round them.
 fn approximate_zeros(x: &Array, eps: f64) -> Result<Array> {
-    let small = ops::logical_not(&ops::greater(&abs(x)?, &float_const(eps, x.dtype())?)?)?;
+    let small = ops::logical_not(&ops::greater(&ops::abs(x)?, &float_scalar(eps, x.dtype())?)?)?;
     // NaN is not small: `!(|NaN| > eps)` is true, so keep NaN explicitly.
     let small = ops::logical_and(&small, &ops::equal(x, x)?)?;
-    ops::where_(&small, &float_const(0.0, x.dtype())?, x)
+    ops::where_(&small, &float_scalar(0.0, x.dtype())?, x)
 }

@@ -136,13 +136,12 @@ const TABLE: &[(&str, Arity, Builder)] = &[
     ("is_infinity", N(1), elementwise::is_infinity),
     ("logical_not", N(1), elementwise::logical_not),
     ("phase", N(1), elementwise::phase),
-    // reductions, cumulative ops and sorting
     // integer arithmetic
     ("quotient", N(2), integer::quotient),
     ("remainder", N(2), integer::remainder),
     ("population_count", N(1), integer::population_count),
     ("count_leading_zeros", N(1), integer::count_leading_zeros),
-    // reductions
+    // reductions, cumulative ops and sorting
     ("sum", N(1), reduction::sum),
     ("product", N(1), reduction::product),
     ("reduce_max", N(1), reduction::reduce_max),

@@ -232,8 +232,8 @@ pub fn top_k(x: &[&Array], a: &Term) -> Outputs {
 /// with `equal_nan`. A u8 scalar.
 pub fn all_close(x: &[&Array], a: &Term) -> Outputs {
     let t = attrs::dtype(attrs::field(a, "input_type")?)?;
-    let rtol = float(attrs::field(a, "rtol")?)?;
-    let atol = float(attrs::field(a, "atol")?)?;
+    let rtol = attrs::float(attrs::field(a, "rtol")?)?;
+    let atol = attrs::float(attrs::field(a, "atol")?)?;
     let equal_nan = attrs::boolean(attrs::field(a, "equal_nan")?)?;
     let compute = || -> Result<Array> {
         let (l, r) = (cast(x[0], t)?, cast(x[1], t)?);
@@ -255,12 +255,4 @@ pub fn all_close(x: &[&Array], a: &Term) -> Outputs {
         ops::all(&close, &(0..close.shape().len() as i32).collect::<Vec<_>>(), false)
     };
     finish(compute(), a)
-}
-
-fn float(t: &Term) -> std::result::Result<f64, String> {
-    match t {
-        Term::Float(f) => Ok(*f),
-        Term::Int(i) => Ok(*i as f64),
-        _ => Err(format!("expected a number, got {t}")),
-    }
 }

@@ -4,7 +4,8 @@
 //! and reduced over their window axes. Views are computed from shapes the
 //! builder checks, so they never reach outside the padded array.
 
-use super::compose::{count, expand, float_const, int_const, inverse};
+use super::compose::{count, expand, inverse};
+use super::convert::{float_scalar, int_scalar};
 use super::{attrs, finish, to_out_type, Outputs};
 use crate::mlx::ops::ConvSpec;
 use crate::mlx::{ops, Array, Dtype, Result};
@@ -239,8 +240,8 @@ fn window_reduce(x: &[&Array], a: &Term, reduce: Reduce) -> Outputs {
     let dilations = attrs::ints(attrs::field(a, "window_dilations")?)?;
     let padding = pairs(attrs::field(a, "padding")?)?;
     let fill = match reduce {
-        Reduce::Sum => int_const(0, dtype)?,
-        Reduce::Product => int_const(1, dtype)?,
+        Reduce::Sum => int_scalar(0, dtype)?,
+        Reduce::Product => int_scalar(1, dtype)?,
         Reduce::Max => extreme(dtype, false)?,
         Reduce::Min => extreme(dtype, true)?,
     };
@@ -259,7 +260,7 @@ fn window_reduce(x: &[&Array], a: &Term, reduce: Reduce) -> Outputs {
 
 /// The largest (`high`) or lowest value of a type: infinities for floats.
 fn extreme(dtype: Dtype, high: bool) -> Result<Array> {
-    let value = |lo: i64, hi: i64| int_const(if high { hi } else { lo }, dtype);
+    let value = |lo: i64, hi: i64| int_scalar(if high { hi } else { lo }, dtype);
     match dtype {
         Dtype::U8 => value(0, u8::MAX as i64),
         Dtype::U16 => value(0, u16::MAX as i64),
@@ -270,7 +271,7 @@ fn extreme(dtype: Dtype, high: bool) -> Result<Array> {
         Dtype::S32 => value(i32::MIN as i64, i32::MAX as i64),
         Dtype::S64 => value(i64::MIN, i64::MAX),
         Dtype::Bool => value(0, 1),
-        _ => float_const(if high { f64::INFINITY } else { f64::NEG_INFINITY }, dtype),
+        _ => float_scalar(if high { f64::INFINITY } else { f64::NEG_INFINITY }, dtype),
     }
 }
 
@@ -452,18 +453,18 @@ fn window_scatter(x: &[&Array], a: &Term, max: bool) -> Outputs {
         ops::argmin(&reversed, -1, false)?
     };
     let within = ops::subtract(
-        &int_const(window_size as i64 - 1, Dtype::S32)?,
+        &int_scalar(window_size as i64 - 1, Dtype::S32)?,
         &ops::astype(&first, Dtype::S32)?,
     )?;
     // Window position -> coordinates in the unpadded tensor.
-    let mut linear = int_const(0, Dtype::S32)?;
+    let mut linear = int_scalar(0, Dtype::S32)?;
     let mut inside = ops::astype(&Array::scalar(1u8)?, Dtype::Bool)?;
     let mut tail = window_size;
     for axis in 0..rank {
         tail /= dims[axis];
         let offset = ops::remainder(
-            &ops::floor_divide(&within, &int_const(tail as i64, Dtype::S32)?)?,
-            &int_const(dims[axis] as i64, Dtype::S32)?,
+            &ops::floor_divide(&within, &int_scalar(tail as i64, Dtype::S32)?)?,
+            &int_scalar(dims[axis] as i64, Dtype::S32)?,
         )?;
         let anchors: Vec<i32> = (0..windows.out[axis])
             .map(|o| o * strides[axis] - padding[axis].0)
@@ -472,19 +473,19 @@ fn window_scatter(x: &[&Array], a: &Term, max: bool) -> Outputs {
         anchor_shape[axis] = windows.out[axis];
         let coord = ops::add(&Array::from_values(&anchors, &anchor_shape)?, &offset)?;
         let ok = ops::logical_and(
-            &ops::logical_not(&ops::less(&coord, &int_const(0, Dtype::S32)?)?)?,
-            &ops::less(&coord, &int_const(shape[axis] as i64, Dtype::S32)?)?,
+            &ops::logical_not(&ops::less(&coord, &int_scalar(0, Dtype::S32)?)?)?,
+            &ops::less(&coord, &int_scalar(shape[axis] as i64, Dtype::S32)?)?,
         )?;
         inside = ops::logical_and(&inside, &ok)?;
         linear = ops::add(
-            &ops::multiply(&linear, &int_const(shape[axis] as i64, Dtype::S32)?)?,
+            &ops::multiply(&linear, &int_scalar(shape[axis] as i64, Dtype::S32)?)?,
             &coord,
         )?;
     }
     // Windows whose choice falls in the padding add zero at position 0.
     let zero = ops::astype(&Array::scalar(0i32)?, source.dtype())?;
     let values = ops::where_(&inside, &source, &zero)?;
-    let linear = ops::where_(&inside, &linear, &int_const(0, Dtype::S32)?)?;
+    let linear = ops::where_(&inside, &linear, &int_scalar(0, Dtype::S32)?)?;
     let n = count(&windows.out) as i32;
     let total = count(&shape) as i32;
     let base = ops::broadcast_to(&ops::reshape(&init, &[1])?, &[total])?;

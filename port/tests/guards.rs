@@ -221,9 +221,6 @@ fn gather_over_no_axes_repeats_the_tensor_per_index_tuple() {
 
 #[test]
 fn bad_axes_and_permutations_fail_the_op() {
-    let mut w = Worker::start(&[]);
-    w.upload_f32(1, &[2], &[1.0, 2.0]);
-    w.upload_f32(2, &[1, 1, 2], &[1.0, 1.0]);
     let sort = |axis| {
         map(vec![
             ("axis", Term::int(axis)),
@@ -260,40 +257,55 @@ fn bad_axes_and_permutations_fail_the_op() {
             "not a permutation",
         ),
     ];
+    assert_each_fails(cases);
+}
+
+#[test]
+fn zero_strides_and_group_sizes_fail_the_op() {
+    let slice = map(vec![
+        ("starts", ints(&[0])),
+        ("lengths", ints(&[2])),
+        ("strides", ints(&[0])),
+    ]);
+    let positive = "positive integer";
+    let cases: Vec<(&str, Vec<u64>, Term, &str)> = vec![
+        ("slice", vec![1], slice, positive),
+        (
+            "conv",
+            vec![2, 2],
+            conv_attrs(&[("feature_group_size", Term::int(0))]),
+            positive,
+        ),
+        (
+            "conv",
+            vec![2, 2],
+            conv_attrs(&[("batch_group_size", Term::int(0))]),
+            positive,
+        ),
+        ("conv", vec![2, 2], conv_attrs(&[("strides", ints(&[0]))]), positive),
+        (
+            "conv",
+            vec![2, 2],
+            conv_attrs(&[("kernel_dilation", ints(&[0]))]),
+            positive,
+        ),
+    ];
+    assert_each_fails(cases);
+}
+
+/// Sends each `(op, ins, attrs, expected)` to a worker holding a vector
+/// (id 1) and a [1, 1, 2] tensor (id 2): the op fails with a message that
+/// holds `expected`, and the worker goes on.
+fn assert_each_fails(cases: Vec<(&str, Vec<u64>, Term, &str)>) {
+    let mut w = Worker::start(&[]);
+    w.upload_f32(1, &[2], &[1.0, 2.0]);
+    w.upload_f32(2, &[1, 1, 2], &[1.0, 1.0]);
     for (k, (op, ins, attrs, expected)) in cases.into_iter().enumerate() {
         let out = 10 + k as u64;
         w.request(0, op, &[out], &ins, attrs);
         let (failed, message) = error_parts(&w.read(k as u64 + 1, out).unwrap_err());
         assert_eq!(failed, op);
         assert!(message.contains(expected), "{op}: {message}");
-    }
-    assert_serving(&mut w, 20, 1);
-    w.close(Duration::from_secs(1));
-}
-
-#[test]
-fn zero_strides_and_group_sizes_fail_the_op() {
-    let mut w = Worker::start(&[]);
-    w.upload_f32(1, &[2], &[1.0, 2.0]);
-    w.upload_f32(2, &[1, 1, 2], &[1.0, 1.0]);
-    let slice = map(vec![
-        ("starts", ints(&[0])),
-        ("lengths", ints(&[2])),
-        ("strides", ints(&[0])),
-    ]);
-    let cases: Vec<(&str, Vec<u64>, Term)> = vec![
-        ("slice", vec![1], slice),
-        ("conv", vec![2, 2], conv_attrs(&[("feature_group_size", Term::int(0))])),
-        ("conv", vec![2, 2], conv_attrs(&[("batch_group_size", Term::int(0))])),
-        ("conv", vec![2, 2], conv_attrs(&[("strides", ints(&[0]))])),
-        ("conv", vec![2, 2], conv_attrs(&[("kernel_dilation", ints(&[0]))])),
-    ];
-    for (k, (op, ins, attrs)) in cases.into_iter().enumerate() {
-        let out = 10 + k as u64;
-        w.request(0, op, &[out], &ins, attrs);
-        let (failed, message) = error_parts(&w.read(k as u64 + 1, out).unwrap_err());
-        assert_eq!(failed, op);
-        assert!(message.contains("positive integer"), "{op}: {message}");
     }
     assert_serving(&mut w, 20, 1);
     w.close(Duration::from_secs(1));

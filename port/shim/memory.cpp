@@ -35,6 +35,8 @@ int moat_array_unscheduled(const moat_array* a) {
   return arr(a).status() == mx::array::Status::unscheduled ? 1 : 0;
 }
 
+int moat_array_available(const moat_array* a) { return arr(a).is_available() ? 1 : 0; }
+
 uintptr_t moat_array_id(const moat_array* a) { return arr(a).id(); }
 
 const char* moat_array_primitive(const moat_array* a) {

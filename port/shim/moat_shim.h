@@ -74,6 +74,7 @@ int moat_clear_cache(void);
 // The lazy graph behind an array: its status, identity, op, inputs and
 // siblings (handles written to *out are new and owned by the caller).
 int moat_array_unscheduled(const moat_array* a);
+int moat_array_available(const moat_array* a);
 uintptr_t moat_array_id(const moat_array* a);
 // The name of the op that computes the array (static), or NULL for none.
 const char* moat_array_primitive(const moat_array* a);

@@ -11,7 +11,9 @@
 //! * each op's outputs, when the op is built (session thread);
 //! * an evaluation (`evaluate`), before it runs: the output bytes of every
 //!   not-yet-evaluated node it would compute (`mlx::memory::pending`),
-//!   reserved while it runs. A lazy chain too long to fit at once is
+//!   reserved while it runs. An `async_eval` (`evaluate_async`) keeps its
+//!   reservation until the session thread sees it finished; a request that
+//!   does not fit next to such reservations first waits for them to finish. A lazy chain too long to fit at once is
 //!   evaluated in steps that each fit, so that what MLX frees between steps
 //!   (intermediates nothing holds) makes room for the next.
 //!
@@ -23,6 +25,7 @@
 
 use crate::mlx::{self, memory, Array, Element};
 use crate::shared;
+use std::cell::RefCell;
 use std::fmt;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::OnceLock;
@@ -117,8 +120,16 @@ impl Budget {
 
     /// Checks that `need` more bytes fit under the limit, next to the live
     /// buffers and any reservation. When they fit only without MLX's cache,
-    /// the cache is cleared first.
+    /// the cache is cleared first; when only without the reservations of
+    /// this thread's async evaluations, those are waited for first.
     pub fn admit(&self, need: usize) -> Result<(), Exceeded> {
+        match self.admit_now(need) {
+            Err(_) if finish_async() => self.admit_now(need),
+            result => result,
+        }
+    }
+
+    fn admit_now(&self, need: usize) -> Result<(), Exceeded> {
         let limit = self.limit();
         let in_use = self.live().saturating_add(self.reserved.load(Ordering::Acquire));
         let total = in_use.saturating_add(need);
@@ -208,11 +219,35 @@ pub fn admit_results(arrays: &[Array]) -> Result<(), EvalError> {
         .map_err(EvalError::Exceeded)
 }
 
-/// Checks that evaluating `arrays` at once fits (for `async_eval`, which
-/// cannot go in steps).
-pub fn admit_evaluation(arrays: &[&Array]) -> Result<(), EvalError> {
+thread_local! {
+    /// Async evaluations started on this thread's stream and not yet seen
+    /// finished, with the memory they reserved.
+    static ASYNC: RefCell<Vec<(Vec<Array>, Reservation)>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Starts evaluating `arrays` in the background, at once (it cannot go in
+/// steps), with what it needs reserved until it is seen finished.
+pub fn evaluate_async(arrays: &[&Array]) -> Result<(), EvalError> {
+    ASYNC.with_borrow_mut(|running| running.retain(|(arrays, _)| !arrays.iter().all(Array::available)));
     let need = memory::pending_bytes(arrays).map_err(EvalError::Mlx)?;
-    budget().admit(need).map_err(EvalError::Exceeded)
+    let reservation = budget().reserve(need).map_err(EvalError::Exceeded)?;
+    mlx::async_eval(arrays).map_err(EvalError::Mlx)?;
+    let held = arrays.iter().map(|a| a.share()).collect::<mlx::Result<Vec<_>>>();
+    let held = held.map_err(EvalError::Mlx)?;
+    ASYNC.with_borrow_mut(|running| running.push((held, reservation)));
+    Ok(())
+}
+
+/// Waits for this thread's async evaluations and drops their reservations;
+/// false when there were none.
+fn finish_async() -> bool {
+    let running = ASYNC.take();
+    for (arrays, _) in &running {
+        let refs: Vec<&Array> = arrays.iter().collect();
+        // Their errors surface when the arrays are next evaluated.
+        let _ = mlx::eval(&refs);
+    }
+    !running.is_empty()
 }
 
 /// Evaluates `arrays` within the limit: at once when everything it would

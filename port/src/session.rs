@@ -4,7 +4,7 @@
 use crate::budget::{self, budget, EvalError, Pressure};
 use crate::checks::Checks;
 use crate::connection::{Incoming, Outgoing, Replies, Upload};
-use crate::mlx::{self, Array, Evaluated};
+use crate::mlx::{Array, Evaluated};
 use crate::ops;
 use crate::protocol::{self, Id, Malformed, Request};
 use crate::registry::{Failure, Registry};
@@ -314,17 +314,13 @@ impl Session {
         }
     }
 
-    /// Starts evaluating; errors resurface at the next blocking call on
-    /// these ids, so a call (seq > 0) is answered `nil` regardless.
+    /// Starts evaluating in the background (see `budget::evaluate_async`).
+    /// Errors resurface at the next blocking call on these ids, so a call
+    /// (seq > 0) is answered `nil` regardless.
     fn async_eval(&mut self, req: &Request) {
         if let Ok(arrays) = self.registry.inputs(&req.ins, &req.op) {
-            match budget::admit_evaluation(&arrays) {
-                Err(e) => log::debug!("async_eval skipped: {e}"),
-                Ok(()) => {
-                    if let Err(e) = mlx::async_eval(&arrays) {
-                        log::debug!("async_eval: {e}");
-                    }
-                }
+            if let Err(e) = budget::evaluate_async(&arrays) {
+                log::debug!("async_eval skipped: {e}");
             }
         }
         self.reply(req.seq, Term::atom("nil"));

@@ -197,6 +197,34 @@ fn a_lazy_chain_longer_than_the_limit_evaluates_in_steps() {
 }
 
 #[test]
+fn an_async_evaluation_keeps_its_memory_reserved_until_it_finishes() {
+    let mut w = Worker::start(&[]);
+    call(&mut w, 1, "set_memory_limit", Term::int(128 * MIB)).unwrap();
+    let ones = |mib: i64| {
+        moat_port::protocol::map(vec![
+            ("shape", ints(&[mib << 18])),
+            ("value", Term::Binary(1.0f32.to_le_bytes().to_vec())),
+            ("type", ty("f", 32)),
+        ])
+    };
+    for id in [1, 2, 3] {
+        w.request(0, "constant", &[id], &[], ones(32));
+    }
+    w.request(0, "constant", &[4], &[], ones(48));
+    // 96 MiB start in the background; 48 more do not fit next to them,
+    // whether or not they have been allocated yet.
+    w.request(0, "async_eval", &[], &[1, 2, 3], nil());
+    w.request(2, "eval", &[], &[4], nil());
+    let (op, message) = error_parts(&w.recv().0);
+    assert_eq!(op, "eval", "{message}");
+    assert!(message.contains("memory limit exceeded: needs 48.0 MiB"), "{message}");
+    assert!(stat(&mut w, 3, "peak") <= 128 * MIB);
+    // The three results, and the constants' scalar values.
+    assert!((96 * MIB..96 * MIB + 64).contains(&stat(&mut w, 4, "active")));
+    w.close(Duration::from_secs(1));
+}
+
+#[test]
 fn the_cache_is_cleared_when_only_it_stands_in_the_way() {
     let mut w = Worker::start(&[]);
     call(&mut w, 1, "set_memory_limit", Term::int(3 * MIB)).unwrap();

@@ -68,6 +68,7 @@ extern "C" {
     pub fn moat_set_cache_limit(limit: usize, previous: *mut usize) -> c_int;
     pub fn moat_clear_cache() -> c_int;
     pub fn moat_array_unscheduled(a: *const moat_array) -> c_int;
+    pub fn moat_array_available(a: *const moat_array) -> c_int;
     pub fn moat_array_id(a: *const moat_array) -> usize;
     pub fn moat_array_primitive(a: *const moat_array) -> *const c_char;
     pub fn moat_array_num_inputs(a: *const moat_array) -> usize;

@@ -79,6 +79,13 @@ impl Array {
         unsafe { ffi::moat_array_unscheduled(self.raw()) == 1 }
     }
 
+    /// True once its evaluation has finished (an `async_eval` may still be
+    /// computing it).
+    pub fn available(&self) -> bool {
+        // SAFETY: `self.raw()` is live.
+        unsafe { ffi::moat_array_available(self.raw()) == 1 }
+    }
+
     /// True when the array's elements are one dense row-major block (reading
     /// it back needs no copy). Meaningful once evaluated.
     pub fn row_contiguous(&self) -> bool {

@@ -14,6 +14,7 @@ use super::{attrs, finish, to_out_type, Outputs};
 use crate::budget;
 use crate::mlx::{ops, Array, Dtype};
 use crate::term::Term;
+use std::collections::HashMap;
 
 /// `gather(tensor, indices)`: indices `[..., k]` address the `axes` of the
 /// tensor; the result is `indices[..-1] ++ the other axes`.
@@ -69,7 +70,7 @@ pub fn indexed_add(x: &[&Array], a: &Term) -> Outputs {
 }
 
 /// `indexed_put(target, indices, updates)`: the last update at an index wins,
-/// as in Nx.BinaryBackend.
+/// as in Nx.BinaryBackend (see `last_of_each_row`).
 pub fn indexed_put(x: &[&Array], a: &Term) -> Outputs {
     indexed(x, a, Combine::Put)
 }
@@ -107,38 +108,53 @@ fn indexed(x: &[&Array], a: &Term, combine: Combine) -> Outputs {
     let scattered = match combine {
         // SAFETY: `rows` are checked row numbers of `flat.array`.
         Combine::Add => unsafe { ops::scatter_add(&flat.array, &rows, &updates, 0) }?,
-        Combine::Put => put_last(&flat.array, &rows, &updates)?,
+        Combine::Put => {
+            let (rows, updates) = last_of_each_row(rows, updates, flat.rows_count())?;
+            // SAFETY: as above: the kept rows are some of them.
+            unsafe { ops::scatter(&flat.array, &rows, &updates, 0) }?
+        }
     };
     finish(flat.restore(&scattered), a)
 }
 
-/// `scatter` where the last update of a row wins. MLX writes duplicates in
-/// no set order, so every update but the last of its row goes to a spare row
-/// appended to the target, and the spare row is dropped afterwards.
-fn put_last(target: &Array, rows: &Array, updates: &Array) -> crate::mlx::Result<Array> {
-    let n = rows.shape()[0];
-    let total = target.shape()[0];
-    // A stable sort keeps each row's updates in their order.
-    let order = ops::argsort(rows, 0)?;
-    // SAFETY: `order` is a permutation of `0..n`, the positions of `rows`.
-    let sorted = unsafe { ops::take(rows, &order, 0) }?;
-    let head = ops::slice(&sorted, &[0], &[n - 1], &[1])?;
-    let next = ops::slice(&sorted, &[1], &[n], &[1])?;
-    let yes = ops::astype(&Array::scalar(1u8)?, Dtype::Bool)?;
-    let last_sorted = ops::concatenate(&[&ops::not_equal(&head, &next)?, &ops::reshape(&yes, &[1])?], 0)?;
-    // SAFETY: the inverse of the permutation `order` is one too.
-    let last = unsafe { ops::take(&last_sorted, &ops::argsort(&order, 0)?, 0) }?;
-    let rows = ops::where_(&last, rows, &int_scalar(total as i64, rows.dtype())?)?;
-    let rank = target.shape().len();
-    let mut spare = vec![0; rank];
-    spare[0] = 1;
-    let zero = ops::astype(&Array::scalar(0i32)?, target.dtype())?;
-    let extended = ops::pad(target, &vec![0; rank], &spare, &zero)?;
-    // SAFETY: `rows` are checked row numbers of `target` or its spare row.
-    let scattered = unsafe { ops::scatter(&extended, &rows, updates, 0) }?;
-    let mut stop = scattered.shape();
-    stop[0] = total;
-    ops::slice(&scattered, &vec![0; rank], &stop, &vec![1; rank])
+/// The rows and updates that remain when only the last update of each row
+/// is kept (MLX's scatter writes duplicates in no set order; Nx's last
+/// update wins). The row numbers are read back to find them.
+fn last_of_each_row(rows: Array, updates: Array, total: i64) -> Result<(Array, Array), String> {
+    let n = rows.size();
+    let _copy = budget::budget().hold(n * 4).map_err(|e| e.to_string())?;
+    let values = budget::read::<i32>(&rows)?;
+    let keep = last_occurrences(&values, total);
+    if keep.len() == n {
+        return Ok((rows, updates));
+    }
+    let kept_rows: Vec<i32> = keep.iter().map(|&i| values[i]).collect();
+    let positions: Vec<i32> = keep.iter().map(|&i| i as i32).collect();
+    let len = [keep.len() as i32];
+    // SAFETY: `positions` are positions of `rows`, and so of `updates`.
+    let updates = unsafe { ops::take(&updates, &Array::from_values(&positions, &len)?, 0) }?;
+    Ok((Array::from_values(&kept_rows, &len)?, updates))
+}
+
+/// For each distinct value (a row number below `rows`), the position of its
+/// last occurrence, in order.
+fn last_occurrences(values: &[i32], rows: i64) -> Vec<usize> {
+    let mut keep: Vec<usize> = if rows <= 4 * values.len() as i64 + 4096 {
+        // Few rows: a table indexed by row.
+        let mut last = vec![usize::MAX; rows as usize];
+        for (i, &v) in values.iter().enumerate() {
+            last[v as usize] = i;
+        }
+        last.into_iter().filter(|&i| i != usize::MAX).collect()
+    } else {
+        let mut last = HashMap::with_capacity(values.len());
+        for (i, &v) in values.iter().enumerate() {
+            last.insert(v, i);
+        }
+        last.into_values().collect()
+    };
+    keep.sort_unstable();
+    keep
 }
 
 /// A tensor with its indexed axes moved to the front and merged into one,
@@ -176,6 +192,10 @@ impl Indexed {
             permuted,
             perm,
         })
+    }
+
+    fn rows_count(&self) -> i64 {
+        self.dims.iter().map(|&d| d as i64).product()
     }
 
     /// The row number (s32) of each index tuple, the last axis of `indices`,

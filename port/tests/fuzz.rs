@@ -10,7 +10,10 @@
 //! * the frame reader never panics and always makes progress;
 //! * the reader thread turns every packet into exactly one message;
 //! * a real worker fed damaged frames answers protocol errors and keeps
-//!   serving, without crashing.
+//!   serving, without crashing;
+//! * a real worker fed every graph op of protocol.md with edge-case
+//!   attributes (zeros, negatives, wrong lengths, huge counts, any term) and
+//!   inputs evaluates each or fails it, without crashing.
 
 mod common;
 
@@ -665,4 +668,208 @@ fn lying_lengths_cost_nothing() {
         assert!(result.is_err(), "{input:?} decoded");
         assert!(cost < 256, "{input:?} cost {cost} bytes");
     }
+}
+
+/// The graph ops of protocol.md's table, each with the attribute keys the
+/// table lists for it.
+fn graph_ops() -> Vec<(String, Vec<String>)> {
+    let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../protocol.md")).unwrap();
+    let ticked = |cell: &str| -> Vec<String> { cell.split('`').skip(1).step_by(2).map(str::to_string).collect() };
+    let mut ops = Vec::new();
+    for row in doc.lines().filter(|l| l.starts_with("| `:")) {
+        let cells: Vec<&str> = row.split(" | ").collect();
+        let keys: Vec<String> = ticked(cells.get(2).copied().unwrap_or(""))
+            .into_iter()
+            .filter(|k| k.chars().all(|c| c.is_ascii_lowercase() || c == '_'))
+            .collect();
+        for op in ticked(cells[0]) {
+            let name = op.trim_start_matches(':').to_string();
+            if moat_port::ops::builder(&name).is_some() {
+                ops.push((name, keys.clone()));
+            }
+        }
+    }
+    ops
+}
+
+/// A value for an op attribute, by its name: mostly small and plausible,
+/// often at an edge (0, -1, a wrong length, a huge count), sometimes any term.
+fn attr_value(key: &str, rng: &mut Rng) -> Term {
+    let small = |rng: &mut Rng| -> Term {
+        let edges = [-2i64, -1, 0, 1, 1, 2, 2, 3, 4, 1 << 16, i32::MAX as i64];
+        Term::int(
+            edges[if rng.chance(6) {
+                rng.below(edges.len())
+            } else {
+                2 + rng.below(5)
+            }],
+        )
+    };
+    let list = |rng: &mut Rng| Term::List((0..rng.below(5)).map(|_| small(rng)).collect());
+    if rng.chance(40) {
+        return random_term(rng, 0);
+    }
+    let types = [
+        ("f", 32),
+        ("f", 64),
+        ("f", 16),
+        ("bf", 16),
+        ("s", 32),
+        ("s", 64),
+        ("u", 8),
+        ("c", 64),
+        ("pred", 8),
+    ];
+    let atoms = |names: &[&str], rng: &mut Rng| Term::atom(names[rng.below(names.len())]);
+    match key {
+        "type" | "index_type" | "p_type" | "input_type" => {
+            let (kind, bits) = types[rng.below(types.len())];
+            ty(kind, bits)
+        }
+        "axis" if rng.chance(4) => nil(),
+        "axis" | "k" | "length" | "batch_size" | "feature_group_size" | "batch_group_size" => small(rng),
+        "padding" => Term::List(
+            (0..rng.below(4))
+                .map(|_| Term::tuple(vec![small(rng), small(rng)]))
+                .collect(),
+        ),
+        "config" => Term::List(
+            (0..rng.below(4))
+                .map(|_| Term::List(vec![small(rng), small(rng), small(rng)]))
+                .collect(),
+        ),
+        "starts" => Term::List(
+            (0..rng.below(4))
+                .map(|_| if rng.chance(3) { nil() } else { small(rng) })
+                .collect(),
+        ),
+        "keep_axes" | "reverse" | "left_side" | "lower" | "full_matrices" | "equal_nan" => {
+            atoms(&["true", "false"], rng)
+        }
+        "direction" => atoms(&["asc", "desc"], rng),
+        "tie_break" => atoms(&["low", "high"], rng),
+        "transform_a" => atoms(&["none", "transpose", "conjugate"], rng),
+        "mode" => atoms(&["reduced", "complete"], rng),
+        "leftover" => atoms(&["repeat", "discard"], rng),
+        "eps" | "rtol" | "atol" => Term::Float([0.0, 1e-7, 1e-4, -1.0, f64::NAN][rng.below(5)]),
+        "value" => Term::Binary((0..[1, 2, 4, 8][rng.below(4)]).map(|_| rng.next() as u8).collect()),
+        _ => list(rng),
+    }
+}
+
+/// How many outs an op defines (a wrong count is one more edge to try).
+fn outs_of(op: &str, rng: &mut Rng) -> u64 {
+    let usual = match op {
+        "qr" | "eigh" | "top_k" => 2,
+        "svd" | "lu" => 3,
+        "to_batched" => 1 + rng.below(3) as u64,
+        _ => 1,
+    };
+    if rng.chance(30) {
+        rng.below(4) as u64
+    } else {
+        usual
+    }
+}
+
+#[test]
+fn a_worker_fed_ops_with_edge_case_attrs_fails_them_and_keeps_serving() {
+    use moat_port::ops::Arity;
+    let ops = graph_ops();
+    assert!(ops.len() > 120, "protocol.md lists {} graph ops", ops.len());
+    let (mut rng, seed) = Rng::seeded();
+    let budget = report::fuzz_budget(2.0);
+    let mut w = Worker::start_with(&["--log-level", "error"], Stdio::null());
+    w.request(BARRIER, "set_memory_limit", &[], &[], Term::int(256 << 20));
+    w.recv();
+    // Inputs of several ranks and types; integers small enough to index.
+    let f32s = |n: usize| {
+        (0..n)
+            .flat_map(|i| (i as f32 * 0.5 - 1.0).to_le_bytes())
+            .collect::<Vec<u8>>()
+    };
+    let ints = |n: usize, bytes: usize| {
+        (0..n)
+            .flat_map(|i| ((i % 2) as u64).to_le_bytes()[..bytes].to_vec())
+            .collect::<Vec<u8>>()
+    };
+    let pool: Vec<(&[i32], &str, u32, Vec<u8>)> = vec![
+        (&[], "f", 32, f32s(1)),
+        (&[3], "f", 32, f32s(3)),
+        (&[2, 3], "f", 32, f32s(6)),
+        (&[3, 3], "f", 32, f32s(9)),
+        (&[1, 1, 4], "f", 32, f32s(4)),
+        (&[2, 2, 2, 2], "f", 32, f32s(16)),
+        (&[0], "f", 32, vec![]),
+        (
+            &[2, 2],
+            "f",
+            64,
+            (0..4).flat_map(|i| (i as f64 + 1.0).to_le_bytes()).collect(),
+        ),
+        (&[3], "s", 32, ints(3, 4)),
+        (&[2, 1], "s", 64, ints(2, 8)),
+        (&[3, 2], "s", 64, ints(6, 8)),
+        (&[2, 2], "u", 8, ints(4, 1)),
+        (&[], "s", 32, ints(1, 4)),
+        (&[2], "c", 64, f32s(4)),
+        (&[2], "bf", 16, vec![0x80, 0x3f, 0x00, 0x40]),
+    ];
+    let ids: Vec<u64> = (1..=pool.len() as u64).collect();
+    for (id, (shape, kind, bits, bytes)) in ids.iter().zip(&pool) {
+        w.upload(*id, shape, kind, *bits, bytes);
+    }
+    let start = Instant::now();
+    let (mut next_id, mut seq) = (1000u64, 1u64);
+    let (mut computed, mut failed) = (0u64, 0u64);
+    while start.elapsed() < budget {
+        let (op, keys) = rng.pick(&ops);
+        let inputs = match moat_port::ops::builder(op).unwrap().0 {
+            Arity::Exactly(k) => k,
+            Arity::AtLeast(k) => k + rng.below(3),
+        };
+        let ins: Vec<u64> = (0..inputs).map(|_| *rng.pick(&ids)).collect();
+        let mut pairs: Vec<(&str, Term)> = Vec::new();
+        for key in keys {
+            if !rng.chance(25) {
+                pairs.push((key.as_str(), attr_value(key, &mut rng)));
+            }
+        }
+        let attrs = map(pairs);
+        let outs: Vec<u64> = (next_id..next_id + outs_of(op, &mut rng)).collect();
+        next_id += outs.len() as u64 + 1;
+        w.request(0, op, &outs, &ins, attrs.clone());
+        w.request(seq, "eval", &[], &outs, nil());
+        loop {
+            let Some((reply, _)) = w.try_recv() else {
+                let shapes: Vec<_> = ins.iter().map(|i| &pool[*i as usize - 1].0).collect();
+                panic!("the worker died on {op} of {shapes:?} with {attrs} (MOAT_FUZZ_SEED={seed})");
+            };
+            let items = reply.as_tuple().expect("replies are tuples");
+            match (items[0].as_atom(), items[1].as_int()) {
+                (Some("ok"), Some(s)) if s == seq as i128 => computed += 1,
+                (Some("error"), Some(s)) if s == seq as i128 => failed += 1,
+                _ => continue,
+            }
+            break;
+        }
+        w.request(0, "release", &[], &outs, nil());
+        seq += 1;
+    }
+    w.request(0, "add", &[next_id], &[2, 2], typed("f", 32));
+    assert_eq!(w.read_f32(BARRIER + 1, next_id), vec![-2.0, -1.0, 0.0]);
+    assert!(w.close(std::time::Duration::from_secs(2)).success());
+    let runs = computed + failed;
+    println!(
+        "edge-case ops: {runs} ({computed} computed, {failed} failed cleanly) in {:?} (seed {seed})",
+        start.elapsed()
+    );
+    report::row(
+        "malformed",
+        "graph ops with edge-case attributes and inputs (real worker)",
+        runs,
+        runs,
+        0,
+        &format!("{computed} computed, {failed} failed with an error; each evaluated"),
+    );
 }

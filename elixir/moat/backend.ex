@@ -38,8 +38,9 @@ defmodule Moat.Backend do
   integer divisor of zero, or whose result would be larger than an address
   space fails, and reading its result raises a `Moat.Error` naming the op.
   The worker and every other tensor carry on. Checking indices and integer
-  divisors evaluates them in the worker (not the op's result, and with no
-  round trip to the VM).
+  divisors evaluates them in the worker, within its memory limit (not the
+  op's result, and with no round trip to the VM); only their lowest and
+  highest values, or whether a zero is among them, are read.
 
   A debug check is off by default:
 

@@ -58,8 +58,8 @@ pub fn take_along_axis(x: &[&Array], a: &Term) -> Outputs {
 /// `taken` once its indices are checked.
 fn checked(taken: Array, tensor: &Array, indices: &Array, axis: i32, a: &Term) -> Outputs {
     let shape = tensor.shape();
-    if let Some((low, high)) = bounds(indices, false)? {
-        in_range(low[0], high[0], shape[axis as usize], axis, &shape)?;
+    if let Some(b) = bounds(indices, false)? {
+        in_range(b.low[0], b.high[0], shape[axis as usize], axis, &shape)?;
     }
     finish(Ok(taken), a)
 }
@@ -206,9 +206,9 @@ impl Indexed {
         if self.dims.is_empty() {
             return Ok(ops::broadcast_to(&int_scalar(0, Dtype::S32)?, tuples)?);
         }
-        if let Some((low, high)) = bounds(indices, true)? {
+        if let Some(b) = bounds(indices, true)? {
             for (j, (&dim, &axis)) in self.dims.iter().zip(&self.axes).enumerate() {
-                in_range(low[j], high[j], dim, axis, &self.shape)?;
+                in_range(b.low[j], b.high[j], dim, axis, &self.shape)?;
             }
         }
         // Row-major strides of the indexed axes; rows fit in s32 (`new`).
@@ -228,10 +228,16 @@ impl Indexed {
     }
 }
 
+/// Lowest and highest values, overall or per column.
+struct Bounds {
+    low: Vec<i64>,
+    high: Vec<i64>,
+}
+
 /// The lowest and highest values of an integer tensor, or of each column
 /// (its last axis) when `per_column`; `None` when it has no elements. u64
 /// values beyond i64 read as i64::MAX, which no axis can hold.
-fn bounds(indices: &Array, per_column: bool) -> Result<Option<(Vec<i64>, Vec<i64>)>, String> {
+fn bounds(indices: &Array, per_column: bool) -> Result<Option<Bounds>, String> {
     let dtype = indices.dtype();
     if dtype.is_float() || dtype == Dtype::Bool {
         return Err(format!("indices must be integers, got {:?}", dtype.nx()));
@@ -256,7 +262,10 @@ fn bounds(indices: &Array, per_column: bool) -> Result<Option<(Vec<i64>, Vec<i64
         budget::read::<i64>(&both)?
     };
     let (low, high) = values.split_at(values.len() / 2);
-    Ok(Some((low.to_vec(), high.to_vec())))
+    Ok(Some(Bounds {
+        low: low.to_vec(),
+        high: high.to_vec(),
+    }))
 }
 
 /// Fails when `low..=high` leaves `0..dim`, naming the offending index.

@@ -40,8 +40,8 @@ pub fn gather(x: &[&Array], a: &Term) -> Outputs {
 /// `take(tensor, indices, axis)`: the axis is replaced by the indices' shape.
 pub fn take(x: &[&Array], a: &Term) -> Outputs {
     let axis = attrs::axis(attrs::field(a, "axis")?, x[0].shape().len())?;
-    // SAFETY: the result is returned only once `check_axis_indices` passed;
-    // until then nothing evaluates it.
+    // SAFETY: the result is returned only once `checked` has checked its
+    // indices; until then nothing evaluates it.
     let taken = unsafe { ops::take(x[0], x[1], axis) }?;
     checked(taken, x[0], x[1], axis, a)
 }
@@ -122,7 +122,9 @@ fn indexed(x: &[&Array], a: &Term, combine: Combine) -> Outputs {
 /// update wins). The row numbers are read back to find them.
 fn last_of_each_row(rows: Array, updates: Array, total: i64) -> Result<(Array, Array), String> {
     let n = rows.size();
-    let _copy = budget::budget().hold(n * 4).map_err(|e| e.to_string())?;
+    let _scratch = budget::budget()
+        .hold(scratch_bytes(n, total))
+        .map_err(|e| e.to_string())?;
     let values = budget::read::<i32>(&rows)?;
     let keep = last_occurrences(&values, total);
     if keep.len() == n {
@@ -136,10 +138,23 @@ fn last_of_each_row(rows: Array, updates: Array, total: i64) -> Result<(Array, A
     Ok((Array::from_values(&kept_rows, &len)?, updates))
 }
 
+/// Few rows (against the number of values) are counted in a table, others
+/// in a hash map.
+fn few_rows(n: usize, rows: i64) -> bool {
+    rows <= 4 * n as i64 + 4096
+}
+
+/// The most host memory `last_of_each_row` takes for `n` row numbers below
+/// `rows`: the values, the positions kept, and the table or the hash map.
+fn scratch_bytes(n: usize, rows: i64) -> usize {
+    let lookup = if few_rows(n, rows) { rows as usize * 8 } else { n * 32 };
+    n * 12 + lookup
+}
+
 /// For each distinct value (a row number below `rows`), the position of its
 /// last occurrence, in order.
 fn last_occurrences(values: &[i32], rows: i64) -> Vec<usize> {
-    let mut keep: Vec<usize> = if rows <= 4 * values.len() as i64 + 4096 {
+    let mut keep: Vec<usize> = if few_rows(values.len(), rows) {
         // Few rows: a table indexed by row.
         let mut last = vec![usize::MAX; rows as usize];
         for (i, &v) in values.iter().enumerate() {

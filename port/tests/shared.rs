@@ -51,31 +51,35 @@ fn offer(w: &Worker) -> Term {
     info.get("shared_memory").cloned().expect("shared_memory in the hello")
 }
 
+/// `upload_file` of a tensor: the file's location, or the error tuple.
+fn stage(w: &mut Worker, seq: u64, id: u64, shape: &[i32], kind: &str, bits: u32) -> Result<Term, Term> {
+    let bytes = shape.iter().map(|&d| d as usize).product::<usize>() * bits as usize / 8;
+    let attrs = tensor_attrs(shape, kind, bits, bytes);
+    call(w, seq, "upload_file", &[id], &[], attrs).map(|(location, _)| location)
+}
+
+/// The path in an `upload_file` reply.
+fn path(location: &Term) -> String {
+    match location.get("path") {
+        Some(Term::Binary(path)) => String::from_utf8_lossy(path).into_owned(),
+        _ => panic!("no path in {location}"),
+    }
+}
+
 /// What the client does with an `upload_file` reply: opens the file by its
 /// path, checks the inode, writes the bytes.
 fn fill(location: &Term, bytes: &[u8]) {
-    let Some(Term::Binary(path)) = location.get("path") else {
-        panic!("no path in {location}")
-    };
     let file = OpenOptions::new()
         .read(true)
         .write(true)
-        .open(String::from_utf8_lossy(path).as_ref())
+        .open(path(location))
         .expect("open the shared file");
     assert_eq!(file.metadata().unwrap().ino(), int(location, "inode"));
     file.write_all_at(bytes, 0).expect("write the shared file");
 }
 
 fn upload_shared(w: &mut Worker, seq: u64, id: u64, shape: &[i32], bytes: &[u8]) {
-    let (location, _) = call(
-        w,
-        seq,
-        "upload_file",
-        &[id],
-        &[],
-        tensor_attrs(shape, "u", 8, bytes.len()),
-    )
-    .unwrap();
+    let location = stage(w, seq, id, shape, "u", 8).unwrap();
     fill(&location, bytes);
     w.request(0, "from_file", &[id], &[], nil());
 }
@@ -125,15 +129,7 @@ fn mlx_may_reuse_a_mapped_buffer_for_a_result() {
     let mut w = Worker::start(&[]);
     let n = MIB / 4;
     let values: Vec<u8> = (0..n).flat_map(|i| (i as f32).to_le_bytes()).collect();
-    let (location, _) = call(
-        &mut w,
-        1,
-        "upload_file",
-        &[1],
-        &[],
-        tensor_attrs(&[n as i32], "f", 32, values.len()),
-    )
-    .unwrap();
+    let location = stage(&mut w, 1, 1, &[n as i32], "f", 32).unwrap();
     fill(&location, &values);
     w.request(0, "from_file", &[1], &[], nil());
     w.upload_f32(2, &[1], &[1.0]);
@@ -210,23 +206,12 @@ fn a_pin_id_is_defined_once_and_bad_pin_requests_name_to_binary() {
 #[test]
 fn a_shared_file_released_before_it_is_used_goes_with_its_budget() {
     let mut w = Worker::start(&[]);
-    let (location, _) = call(
-        &mut w,
-        1,
-        "upload_file",
-        &[1],
-        &[],
-        tensor_attrs(&[MIB as i32], "u", 8, MIB),
-    )
-    .unwrap();
+    let location = stage(&mut w, 1, 1, &[MIB as i32], "u", 8).unwrap();
     assert_eq!(active(&mut w, 2), MIB, "held from the start");
     // The sender died before from_file: its handle's release arrives instead.
     w.request(0, "release", &[], &[1], nil());
     assert_eq!(active(&mut w, 3), 0);
-    let Some(Term::Binary(path)) = location.get("path") else {
-        panic!()
-    };
-    let path = String::from_utf8_lossy(path).into_owned();
+    let path = path(&location);
     assert!(
         std::fs::read_link(&path).map_or(true, |t| !t.to_string_lossy().contains("moat-upload")),
         "{path} still open"
@@ -241,27 +226,13 @@ fn a_shared_file_released_before_it_is_used_goes_with_its_budget() {
 #[test]
 fn a_shared_file_cannot_be_shrunk_under_its_mapping() {
     let mut w = Worker::start(&[]);
-    let (location, _) = call(
-        &mut w,
-        1,
-        "upload_file",
-        &[1],
-        &[],
-        tensor_attrs(&[MIB as i32], "u", 8, MIB),
-    )
-    .unwrap();
-    let Some(Term::Binary(path)) = location.get("path") else {
-        panic!()
-    };
-    let file = OpenOptions::new()
-        .write(true)
-        .open(String::from_utf8_lossy(path).as_ref())
-        .unwrap();
+    let location = stage(&mut w, 1, 1, &[MIB as i32], "u", 8).unwrap();
+    let file = OpenOptions::new().write(true).open(path(&location)).unwrap();
     assert!(file.set_len(16).is_err(), "the size is sealed");
     assert!(OpenOptions::new()
         .write(true)
         .truncate(true)
-        .open(String::from_utf8_lossy(path).as_ref())
+        .open(path(&location))
         .is_err());
     w.request(0, "from_file", &[1], &[], nil());
     assert_eq!(
@@ -276,39 +247,11 @@ fn a_shared_file_cannot_be_shrunk_under_its_mapping() {
 fn shared_files_count_against_the_memory_limit() {
     let mut w = Worker::start(&[]);
     call(&mut w, 1, "set_memory_limit", &[], &[], Term::int(4 * MIB as u64)).unwrap();
-    let (op, message) = error_parts(
-        &call(
-            &mut w,
-            2,
-            "upload_file",
-            &[1],
-            &[],
-            tensor_attrs(&[8 << 20], "u", 8, 8 * MIB),
-        )
-        .unwrap_err(),
-    );
+    let (op, message) = error_parts(&stage(&mut w, 2, 1, &[8 << 20], "u", 8).unwrap_err());
     assert_eq!(op, "from_binary");
     assert!(message.contains("memory limit exceeded: needs 8.0 MiB"), "{message}");
-    call(
-        &mut w,
-        3,
-        "upload_file",
-        &[2],
-        &[],
-        tensor_attrs(&[3 << 20], "u", 8, 3 * MIB),
-    )
-    .unwrap();
-    let (_, message) = error_parts(
-        &call(
-            &mut w,
-            4,
-            "upload_file",
-            &[3],
-            &[],
-            tensor_attrs(&[2 << 20], "u", 8, 2 * MIB),
-        )
-        .unwrap_err(),
-    );
+    stage(&mut w, 3, 2, &[3 << 20], "u", 8).unwrap();
+    let (_, message) = error_parts(&stage(&mut w, 4, 3, &[2 << 20], "u", 8).unwrap_err());
     assert!(message.contains("3.0 MiB in use"), "the first file counts: {message}");
     // The refused id is poisoned with the refusal.
     let (op, _) = error_parts(&w.read(5, 1).unwrap_err());

@@ -9,44 +9,22 @@ use std::time::Duration;
 
 #[test]
 fn hello_announces_version_mlx_and_devices() {
-    let (req_r, req_w) = pipe();
-    let (rep_r, rep_w) = pipe();
-    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_moat_port"));
-    use command_fds::{CommandFdExt, FdMapping};
-    cmd.args(["--generation", "7"])
-        .fd_mappings(vec![
-            FdMapping {
-                parent_fd: req_r,
-                child_fd: 3,
-            },
-            FdMapping {
-                parent_fd: rep_w,
-                child_fd: 4,
-            },
-        ])
-        .unwrap();
-    let mut child = cmd.spawn().unwrap();
-    let mut from: std::fs::File = rep_r.into();
-    let mut len = [0u8; 4];
-    std::io::Read::read_exact(&mut from, &mut len).unwrap();
-    let mut body = vec![0u8; u32::from_be_bytes(len) as usize];
-    std::io::Read::read_exact(&mut from, &mut body).unwrap();
-    let (hello, _) = moat_port::frame::split_body(&body).unwrap();
-    let items = hello.as_tuple().unwrap();
+    // The last `--generation` wins over the harness's own.
+    let w = Worker::start(&["--generation", "7"]);
+    let items = w.hello.as_tuple().unwrap();
     assert!(items[0].is_atom("hello"));
     assert_eq!(items[1], Term::int(1));
     let info = &items[2];
     assert_eq!(info.get("mlx"), Some(&Term::Binary(b"0.32.4".to_vec())));
     assert_eq!(info.get("generation"), Some(&Term::int(7)));
-    assert_eq!(info.get("os_pid"), Some(&Term::int(child.id())));
+    assert_eq!(info.get("os_pid"), Some(&Term::int(w.pid())));
     assert!(info
         .get("devices")
         .unwrap()
         .as_list()
         .unwrap()
         .contains(&Term::atom("cpu")));
-    drop(req_w);
-    assert!(child.wait().unwrap().success());
+    assert!(w.close(Duration::from_secs(1)).success());
 }
 
 #[test]

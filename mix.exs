@@ -59,28 +59,54 @@ defmodule Mix.Tasks.Compile.MoatPort do
   @moduledoc false
   use Mix.Task.Compiler
 
+  # Cargo's warnings are shown (cargo replays them while the build is fresh),
+  # and fail the build under `mix compile --warnings-as-errors`.
   @impl true
-  def run(_args) do
+  def run(args) do
+    {opts, _, _} = OptionParser.parse(args, switches: [warnings_as_errors: :boolean])
     root = Path.dirname(__ENV__.file)
     built = Path.join(root, "target/release/moat_port")
     dest = Path.join(Mix.Project.app_path(), "priv/moat_port")
 
-    case System.cmd("cargo", ["build", "--release", "--quiet", "-p", "moat_port"],
-           cd: root,
-           stderr_to_stdout: true
-         ) do
-      {_, 0} ->
+    case System.cmd("cargo", ["build", "--release", "-p", "moat_port"], cd: root, stderr_to_stdout: true) do
+      {output, 0} ->
         File.mkdir_p!(Path.dirname(dest))
 
         unless File.exists?(dest) and File.read!(dest) == File.read!(built) do
           File.cp!(built, dest)
         end
 
-        {:ok, []}
+        warnings(output, root, opts[:warnings_as_errors])
 
       {output, status} ->
         Mix.shell().error("cargo build of moat_port failed (exit #{status}):\n" <> output)
         {:error, []}
+    end
+  end
+
+  defp warnings(output, root, as_errors?) do
+    diagnostics =
+      for "warning" <> _ = line <- String.split(output, "\n") do
+        %Mix.Task.Compiler.Diagnostic{
+          compiler_name: "moat_port",
+          file: Path.join(root, "port"),
+          message: line,
+          position: 0,
+          severity: :warning
+        }
+      end
+
+    cond do
+      diagnostics == [] ->
+        {:ok, []}
+
+      as_errors? ->
+        Mix.shell().error("cargo build of moat_port has warnings (--warnings-as-errors):\n" <> output)
+        {:error, diagnostics}
+
+      true ->
+        Mix.shell().info(output)
+        {:ok, diagnostics}
     end
   end
 end

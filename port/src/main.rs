@@ -20,7 +20,7 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 const USAGE: &str = "usage: moat_port [--generation N] [--log-level error|warn|info|debug|trace] \
                      [--chunk-bytes N] [--max-frame-bytes N] [--detect-non-finite true|false] \
-                     [--shared-memory true|false]";
+                     [--shared-memory true|false]\n       moat_port --list-ops";
 
 struct Options {
     generation: u64,
@@ -68,6 +68,14 @@ fn parse_args() -> Result<Options, String> {
 }
 
 fn main() {
+    if std::env::args().skip(1).eq(["--list-ops"]) {
+        // The ops this build knows, one a line (tests compare them with
+        // protocol.md and with what the client sends).
+        for op in moat_port::session::op_names() {
+            println!("{op}");
+        }
+        return;
+    }
     let opts = parse_args().unwrap_or_else(|e| {
         eprintln!("moat_port: {e}\n{USAGE}");
         std::process::exit(2);

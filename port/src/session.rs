@@ -15,6 +15,35 @@ use std::rc::Rc;
 
 mod memory_calls;
 
+/// The requests served outside the op table (`ops`), by the reader thread
+/// (`connection`) or by the `match` in `Session::request`. With the table's
+/// ops they are every op the worker knows (`moat_port --list-ops`), which
+/// tests check against protocol.md §6 and against what the client sends.
+pub const REQUESTS: &[&str] = &[
+    "from_binary",
+    "upload",
+    "upload_file",
+    "from_file",
+    "to_binary",
+    "eval",
+    "async_eval",
+    "metadata",
+    "sync",
+    "release",
+    "memory_info",
+    "reset_peak_memory",
+    "clear_cache",
+    "set_memory_limit",
+    "set_cache_limit",
+    #[cfg(feature = "fault-injection")]
+    "fault",
+];
+
+/// Every op this worker knows: the requests, then the op table.
+pub fn op_names() -> Vec<&'static str> {
+    REQUESTS.iter().copied().chain(ops::names()).collect()
+}
+
 /// Requests between two unprompted acknowledgements.
 const ACK_EVERY: u64 = 64;
 

@@ -194,6 +194,11 @@ const TABLE: &[(&str, Arity, Builder)] = &[
     ("irfft", N(1), fft::irfft),
 ];
 
+/// The graph ops, in table order.
+pub fn names() -> impl Iterator<Item = &'static str> {
+    TABLE.iter().map(|(name, _, _)| *name)
+}
+
 pub fn builder(op: &str) -> Option<(Arity, Builder)> {
     TABLE
         .iter()

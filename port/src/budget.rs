@@ -18,17 +18,21 @@
 //!   (intermediates nothing holds) makes room for the next.
 //!
 //! A request that does not fit fails with a message naming the sizes, and the
-//! worker keeps serving. The limit covers results (every array MLX would
+//! worker keeps serving.
+//!
+//! The budget also owns the cache's accounting: MLX's freed buffers, and
+//! memory kept outside MLX's allocator for reuse (`keep`: the shared-memory
+//! files of `shared`), all within one cache limit and cleared together. The limit covers results (every array MLX would
 //! allocate), not scratch space inside a kernel; views (broadcasts,
 //! transposes, slices, reshapes of dense tensors) count nothing. The budget
 //! is process-wide, like MLX's allocator.
 
 use crate::mlx::{self, memory, Array, Element};
-use crate::shared;
+use std::any::Any;
 use std::cell::RefCell;
 use std::fmt;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::OnceLock;
+use std::sync::{Mutex, MutexGuard, OnceLock};
 
 pub struct Budget {
     limit: AtomicUsize,
@@ -114,7 +118,7 @@ impl Budget {
 
     pub fn set_cache_limit(&self, bytes: usize) -> crate::mlx::Result<usize> {
         memory::set_cache_limit(bytes)?;
-        shared::limit_cached(bytes);
+        kept().trim(bytes);
         Ok(self.cache_limit.swap(bytes, Ordering::AcqRel))
     }
 
@@ -138,7 +142,7 @@ impl Budget {
         }
         if total.saturating_add(cache()) > limit {
             // Freed buffers would otherwise keep the process above the limit.
-            clear_cache();
+            let _ = clear_cache();
         }
         Ok(())
     }
@@ -182,15 +186,65 @@ impl Budget {
     }
 }
 
-/// Freed memory kept for reuse: MLX's buffers and shared memory files.
+/// Freed memory kept for reuse: MLX's buffers and what was `keep`-ed.
 pub fn cache() -> usize {
-    memory::cache().saturating_add(shared::cached())
+    memory::cache().saturating_add(kept().bytes)
 }
 
-/// Returns the cached memory to the system.
-pub fn clear_cache() {
-    let _ = memory::clear_cache();
-    shared::clear_cached();
+/// Returns the cached memory to the system: what was `keep`-ed, and MLX's
+/// cache (its error, if any, is returned).
+pub fn clear_cache() -> mlx::Result<()> {
+    kept().trim(0);
+    memory::clear_cache()
+}
+
+/// Keeps `item`, which holds `len` bytes of freed memory outside MLX's
+/// allocator (a memory file), for reuse by `take_kept`: it counts as cache,
+/// and is dropped when it does not fit within the cache limit next to MLX's
+/// cache, by `clear_cache`, or to make room for newer ones.
+pub fn keep<T: Any + Send>(len: usize, item: T) {
+    let room = budget().cache_limit().saturating_sub(memory::cache());
+    if len > room {
+        return;
+    }
+    let mut kept = kept();
+    kept.items.push((len, Box::new(item)));
+    kept.bytes += len;
+    kept.trim(room);
+}
+
+/// The newest kept item of type `T` and exactly `len` bytes, taken out of
+/// the cache.
+pub fn take_kept<T: Any + Send>(len: usize) -> Option<T> {
+    let mut kept = kept();
+    let i = kept.items.iter().rposition(|(n, item)| *n == len && item.is::<T>())?;
+    kept.bytes -= len;
+    let (_, item) = kept.items.remove(i);
+    item.downcast().ok().map(|item| *item)
+}
+
+/// Kept items, oldest first (see `keep`).
+#[derive(Default)]
+struct Shelf {
+    items: Vec<(usize, Box<dyn Any + Send>)>,
+    bytes: usize,
+}
+
+impl Shelf {
+    fn trim(&mut self, to: usize) {
+        while self.bytes > to {
+            let (len, _) = self.items.remove(0);
+            self.bytes -= len;
+        }
+    }
+}
+
+fn kept() -> MutexGuard<'static, Shelf> {
+    static KEPT: OnceLock<Mutex<Shelf>> = OnceLock::new();
+    // A panic ends the process (main.rs), so the lock is never poisoned in use.
+    KEPT.get_or_init(Mutex::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
 }
 
 /// Why a request does not fit, or MLX's error while finding out.

@@ -344,7 +344,7 @@ fn upload_attrs(req: &Request) -> Result<(Vec<i32>, Dtype, usize), String> {
         })?;
     let dtype = a
         .get("dtype")
-        .and_then(Dtype::from_term)
+        .and_then(protocol::dtype)
         .ok_or("missing or unsupported dtype")?;
     let total = a.get("bytes").and_then(Term::as_int).ok_or("missing attribute bytes")?;
     let expected = shape

@@ -1,5 +1,6 @@
 //! The typed side of protocol.md: request headers in, reply headers out.
 
+use crate::mlx::Dtype;
 use crate::term::Term;
 
 pub const VERSION: i128 = 1;
@@ -138,6 +139,19 @@ pub fn error(seq: u64, op: &str, message: &str) -> Term {
 pub fn map(mut pairs: Vec<(&str, Term)>) -> Term {
     pairs.sort_by(|a, b| a.0.cmp(b.0));
     Term::Map(pairs.into_iter().map(|(k, v)| (Term::atom(k), v)).collect())
+}
+
+/// A type as the wire spells it, Nx's `{kind, bits}` (§6).
+pub fn dtype(t: &Term) -> Option<Dtype> {
+    match t.as_tuple()? {
+        [kind, bits] => Dtype::from_nx(kind.as_atom()?, bits.as_int()?),
+        _ => None,
+    }
+}
+
+pub fn dtype_term(dtype: Dtype) -> Term {
+    let (k, b) = dtype.nx();
+    Term::tuple(vec![Term::atom(k), Term::int(b)])
 }
 
 pub fn shape_term(shape: &[i32]) -> Term {

@@ -380,7 +380,7 @@ fn metadata(array: &Array, bytes: Option<usize>) -> Term {
 
 fn metadata_pairs(array: &Array, bytes: Option<usize>) -> Vec<(&'static str, Term)> {
     let mut pairs = vec![
-        ("dtype", array.dtype().to_term()),
+        ("dtype", protocol::dtype_term(array.dtype())),
         ("shape", protocol::shape_term(&array.shape())),
     ];
     if let Some(n) = bytes {

@@ -9,12 +9,13 @@
 //!
 //! A memory file whose tensor is gone is kept for the next upload of the
 //! same size, as MLX keeps freed buffers: writing into pages that exist is
-//! much faster than into new ones (about twice, bench/foundation.exs). The kept
-//! files count as cache (`memory_info`'s `cache`), within the cache limit,
-//! and go with `clear_cache` or when a request fits only without the cache.
+//! much faster than into new ones (about twice, bench/foundation.exs). The
+//! budget keeps them (`budget::keep`): they count as cache (`memory_info`'s
+//! `cache`), within the cache limit, and go with `clear_cache` or when a
+//! request fits only without the cache.
 
-use crate::budget::{budget, Held};
-use crate::mlx::{memory, Array, Dtype};
+use crate::budget::{self, budget, Held};
+use crate::mlx::{Array, Dtype};
 use crate::protocol;
 use crate::sys::{self, Mapping};
 use crate::term::Term;
@@ -23,7 +24,7 @@ use std::io::Read;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::MetadataExt;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Mutex, OnceLock};
+use std::sync::OnceLock;
 
 /// Memory files kept open at most (by live tensors and the cache), far
 /// below the usual descriptor limit; past it, files are closed once mapped
@@ -49,12 +50,12 @@ impl Staged {
         }
         // Taken first, so that making room does not clear the very file
         // reused; given back if there is no room.
-        let cached = cache().take(len);
+        let cached = budget::take_kept::<Kept>(len);
         let held = match budget().hold(len) {
             Ok(held) => held,
             Err(e) => {
                 if let Some(file) = cached {
-                    cache().put(len, file);
+                    budget::keep(len, file);
                 }
                 return Err(e.to_string());
             }
@@ -143,7 +144,7 @@ struct After {
 impl Drop for After {
     fn drop(&mut self) {
         if let Some(file) = self.file.take() {
-            cache().put(self.len, file);
+            budget::keep(self.len, file);
         }
     }
 }
@@ -164,63 +165,6 @@ impl Drop for Kept {
     fn drop(&mut self) {
         KEPT.fetch_sub(1, Ordering::AcqRel);
     }
-}
-
-/// Files whose tensors are gone, oldest first.
-#[derive(Default)]
-struct Cache {
-    files: Vec<(usize, Kept)>,
-    bytes: usize,
-}
-
-fn cache() -> std::sync::MutexGuard<'static, Cache> {
-    static CACHE: OnceLock<Mutex<Cache>> = OnceLock::new();
-    // A panic ends the process (main.rs), so the lock is never poisoned in use.
-    CACHE
-        .get_or_init(Mutex::default)
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-}
-
-impl Cache {
-    fn take(&mut self, len: usize) -> Option<Kept> {
-        let i = self.files.iter().rposition(|(n, _)| *n == len)?;
-        self.bytes -= len;
-        Some(self.files.remove(i).1)
-    }
-
-    /// Keeps a file within the cache limit, which MLX's own cache shares.
-    fn put(&mut self, len: usize, file: Kept) {
-        let room = budget().cache_limit().saturating_sub(memory::cache());
-        if len > room {
-            return;
-        }
-        self.files.push((len, file));
-        self.bytes += len;
-        self.trim(room);
-    }
-
-    fn trim(&mut self, to: usize) {
-        while self.bytes > to {
-            let (len, _) = self.files.remove(0);
-            self.bytes -= len;
-        }
-    }
-}
-
-/// Bytes of cached memory files.
-pub fn cached() -> usize {
-    cache().bytes
-}
-
-/// Closes every cached memory file, returning its memory to the system.
-pub fn clear_cached() {
-    cache().trim(0);
-}
-
-/// Trims the cached memory files to a new cache limit.
-pub fn limit_cached(limit: usize) {
-    cache().trim(limit);
 }
 
 /// 16 random bytes at a fixed address in this process. The client reads

@@ -1,6 +1,5 @@
-//! MLX element types, their codes in the shim and their names on the wire.
-
-use crate::term::Term;
+//! MLX element types, their codes in the shim and their Nx names (the wire's
+//! spelling of them is `protocol::dtype`'s).
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Dtype {
@@ -80,18 +79,6 @@ impl Dtype {
             let (k, b) = d.nx();
             k == kind && b as i128 == bits
         })
-    }
-
-    pub fn from_term(t: &Term) -> Option<Dtype> {
-        match t.as_tuple()? {
-            [kind, bits] => Dtype::from_nx(kind.as_atom()?, bits.as_int()?),
-            _ => None,
-        }
-    }
-
-    pub fn to_term(self) -> Term {
-        let (k, b) = self.nx();
-        Term::tuple(vec![Term::atom(k), Term::int(b)])
     }
 
     pub fn is_float(self) -> bool {

@@ -7,7 +7,7 @@ use crate::term::Term;
 pub type AttrError = String;
 
 pub fn dtype(t: &Term) -> Result<Dtype, AttrError> {
-    Dtype::from_term(t).ok_or_else(|| format!("unsupported type {t}"))
+    crate::protocol::dtype(t).ok_or_else(|| format!("unsupported type {t}"))
 }
 
 pub fn int(t: &Term) -> Result<i32, AttrError> {

@@ -2,10 +2,8 @@
 
 use super::Session;
 use crate::budget::{self, budget};
-use crate::mlx::memory;
 use crate::protocol::{self, Request};
 use crate::registry::Failure;
-use crate::shared;
 use crate::term::Term;
 
 impl Session {
@@ -29,12 +27,7 @@ fn memory_result(req: &Request, tensors: usize) -> Result<Term, String> {
             ("tensors", Term::int(tensors as u64)),
         ])),
         "reset_peak_memory" => budget().reset_peak().map(|()| Term::atom("nil")).map_err(mlx_error),
-        "clear_cache" => memory::clear_cache()
-            .map(|()| {
-                shared::clear_cached();
-                Term::atom("nil")
-            })
-            .map_err(mlx_error),
+        "clear_cache" => budget::clear_cache().map(|()| Term::atom("nil")).map_err(mlx_error),
         "set_memory_limit" => {
             let previous = budget().set_limit(byte_count(req)?).map_err(mlx_error)?;
             Ok(Term::int(previous as u64))

@@ -14,7 +14,7 @@ IO.puts("Moat worker: MLX #{info.mlx}, BLAS #{info.blas}, #{System.schedulers_on
 
 small_moat = moat(f32(4, 1.5), {4})
 small_bin = Nx.tensor([1.5, 1.5, 1.5, 1.5], backend: Nx.BinaryBackend)
-conn = Moat.Client.conn()
+conn = Moat.Client.conn(Moat.Worker)
 for _ <- 1..200, do: small_moat |> Nx.add(small_moat) |> Nx.to_binary()
 
 # The floor: a port that only echoes (cat copies {packet, 4} frames as they are).

@@ -39,7 +39,7 @@ defmodule Bench do
 end
 
 IO.puts("finalizer NIF loaded: #{Moat.Finalizer.loaded?()}\n")
-conn = Client.conn()
+conn = Client.conn(Moat.Worker)
 f32 = fn v -> <<v::float-32-native>> end
 
 # 1. Per-handle overhead. Tokens here name a sink process, not the releaser,

@@ -249,7 +249,7 @@ defmodule Moat do
       result = Moat.scope(fn -> x |> Nx.multiply(2) |> Nx.sum() end)
   """
   @spec scope((-> result)) :: result when result: term()
-  def scope(fun) when is_function(fun, 0), do: Moat.Scope.run(fun)
+  def scope(fun) when is_function(fun, 0), do: Moat.Scope.run(fun, &Client.release_ids/3)
 
   # The keys of the worker's :memory_info reply. Naming them here makes the
   # atoms exist, which the client's :safe decoding requires.

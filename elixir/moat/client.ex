@@ -72,9 +72,9 @@ defmodule Moat.Client do
   @doc false
   def acked(%__MODULE__{counters: c}), do: :atomics.get(c, @acked)
 
-  @doc "The current connection of a worker; raises when none is running."
+  @doc "The current connection of the worker registered as `name`; raises when none is running."
   @spec conn(atom()) :: t()
-  def conn(name \\ Moat.Worker) do
+  def conn(name) do
     :persistent_term.get({__MODULE__, name}, nil) ||
       raise Error.new(:worker_unavailable, nil, "no Moat worker named #{inspect(name)} is running")
   end

@@ -23,9 +23,12 @@ defmodule Moat.Releaser do
   #     reduction count has not moved since the previous tick is collected
   #     once, and not again until it runs.
 
-  use GenServer
+  #
+  # It knows nothing of the connection: `attach/2` gives it the function that
+  # sends one `:release` frame (so that it depends on no module that
+  # depends on it).
 
-  alias Moat.Client
+  use GenServer
 
   @max_batch 8192
 
@@ -33,7 +36,9 @@ defmodule Moat.Releaser do
   def start_link(opts), do: GenServer.start_link(__MODULE__, opts)
 
   @doc false
-  def attach(releaser, %Client{} = conn), do: GenServer.cast(releaser, {:attach, conn})
+  # `send_release` sends one `:release` frame of the ids it is given.
+  def attach(releaser, send_release) when is_function(send_release, 1),
+    do: GenServer.cast(releaser, {:attach, send_release})
 
   @doc """
   Sends every id received so far; returns once their frame is on its way
@@ -49,11 +54,11 @@ defmodule Moat.Releaser do
   def init(opts) do
     nudge = Keyword.get(opts, :gc_nudge, 1_000)
     if nudge, do: Process.send_after(self(), :nudge, nudge)
-    {:ok, %{conn: nil, pending: [], count: 0, creators: %{}, nudge: nudge}}
+    {:ok, %{send_release: nil, pending: [], count: 0, creators: %{}, nudge: nudge}}
   end
 
   @impl true
-  def handle_cast({:attach, conn}, state), do: next(%{state | conn: conn})
+  def handle_cast({:attach, send_release}, state), do: next(%{state | send_release: send_release})
 
   @impl true
   def handle_call(:flush, _from, state), do: {:reply, :ok, send_batch(state)}
@@ -135,14 +140,14 @@ defmodule Moat.Releaser do
   defp next(state), do: {:noreply, state, 0}
 
   defp send_batch(%{pending: []} = state), do: state
-  defp send_batch(%{conn: nil} = state), do: state
+  defp send_batch(%{send_release: nil} = state), do: state
 
   # At most @max_batch ids a frame keeps headers far below their limit.
-  defp send_batch(%{conn: conn, pending: ids} = state) do
+  defp send_batch(%{send_release: send_release, pending: ids} = state) do
     try do
       ids
       |> Enum.chunk_every(@max_batch)
-      |> Enum.each(&Client.cast(conn, :release, [], &1, nil))
+      |> Enum.each(send_release)
     rescue
       # The worker died: its tensors are gone with it.
       Moat.Error -> :ok

@@ -5,8 +5,11 @@ defmodule Moat.Scope do
   # that garbage inside a long scope is still released automatically). The
   # handles' tokens are not marked, so an id a scope released may be sent
   # again when its handle is collected; the worker ignores unknown ids.
+  #
+  # `run/2` is given the function that releases ids (Moat.Client's), so that
+  # this module, which Moat.Client calls, calls nothing that calls it.
 
-  alias Moat.{Client, Ref}
+  alias Moat.Ref
 
   @key :moat_scope
 
@@ -19,32 +22,33 @@ defmodule Moat.Scope do
   end
 
   @doc false
-  def run(fun) when is_function(fun, 0) do
+  # `release.(worker, generation, ids)` releases ids of one worker incarnation.
+  def run(fun, release) when is_function(fun, 0) and is_function(release, 3) do
     outer = Process.put(@key, [])
 
     try do
       fun.()
     catch
       kind, reason ->
-        close(outer, MapSet.new())
+        close(outer, MapSet.new(), release)
         :erlang.raise(kind, reason, __STACKTRACE__)
     else
       result ->
-        close(outer, collect(result, MapSet.new()))
+        close(outer, collect(result, MapSet.new()), release)
         result
     end
   end
 
   # Releases what the scope created except `keep`; what it keeps belongs to
   # the enclosing scope, if any.
-  defp close(outer, keep) do
+  defp close(outer, keep, release) do
     created = Process.delete(@key) || []
     {kept, dropped} = Enum.split_with(created, fn {_, _, id} -> MapSet.member?(keep, id) end)
     if outer, do: Process.put(@key, kept ++ outer)
 
     dropped
     |> Enum.group_by(fn {worker, g, _} -> {worker, g} end, fn {_, _, id} -> id end)
-    |> Enum.each(fn {{worker, g}, ids} -> Client.release_ids(worker, g, ids) end)
+    |> Enum.each(fn {{worker, g}, ids} -> release.(worker, g, ids) end)
   end
 
   # The ids of every handle inside a term (tensors, containers, structs).

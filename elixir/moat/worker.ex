@@ -140,7 +140,7 @@ defmodule Moat.Worker do
         shared: Shared.negotiate(info, setting.(:shared_memory_threshold, @shared_threshold))
       }
 
-      Releaser.attach(releaser, conn)
+      Releaser.attach(releaser, &Client.cast(conn, :release, [], &1, nil))
       Client.publish(conn)
 
       :telemetry.execute([:moat, :worker, :up], %{system_time: System.system_time()}, %{

@@ -199,7 +199,7 @@ defmodule Moat.WorkerTest do
       # parent-death signal can stop it then.
       script = ~S"""
       {:ok, _} = Application.ensure_all_started(:moat)
-      conn = Moat.Client.conn()
+      conn = Moat.Client.conn(Moat.Worker)
       one = Moat.from_binary(:binary.copy(<<0.001::float-32-native>>, 1024 * 1024), {1024, 1024}, {:f, 32})
       chain = fn n, op ->
         Enum.reduce(1..n, one, fn _, acc ->

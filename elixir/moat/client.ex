@@ -262,9 +262,7 @@ defmodule Moat.Client do
   rescue
     # Errors name :from_binary, whichever way and in whichever frame the
     # bytes travel.
-    e in Error ->
-      detail = String.replace_prefix(e.message, "#{e.op}: ", "")
-      reraise Error.new(e.reason, :from_binary, detail), __STACKTRACE__
+    e in Error -> reraise Error.with_op(e, :from_binary), __STACKTRACE__
   end
 
   defp shared?(%__MODULE__{shared: %{threshold: threshold}}, bytes), do: bytes > 0 and bytes >= threshold
@@ -409,9 +407,9 @@ defmodule Moat.Client do
         Process.demonitor(mref, [:flush])
         {:ok, result, join(chunks, last)}
 
-      {^mref, {:error, failed_op, message}} ->
+      {^mref, {:error, failed_op, failure}} ->
         Process.demonitor(mref, [:flush])
-        {:error, failure(failed_op, message)}
+        {:error, Error.from_worker(failed_op, failure)}
 
       {:DOWN, ^mref, :process, _, reason} ->
         {:error, Error.new(:worker_died, op, died(reason, conn))}
@@ -424,9 +422,6 @@ defmodule Moat.Client do
 
   defp join([], last), do: last
   defp join(chunks, last), do: IO.iodata_to_binary([chunks | last])
-
-  defp failure(:stale_generation, message), do: Error.new(:stale_generation, nil, message)
-  defp failure(op, message), do: Error.new(:op_failed, op, message)
 
   defp forget(conn, seq, mref) do
     Process.demonitor(mref, [:flush])

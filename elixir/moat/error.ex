@@ -17,19 +17,59 @@ defmodule Moat.Error do
     * `:worker_unavailable` — no worker is running (it is restarting, or the
       application is stopped).
     * `:timeout` — the call did not complete in time.
+
+  A failure the worker reported also has its `:kind` (protocol.md §4):
+  `:invalid` (the request cannot be done as asked), `:mlx` (MLX raised while
+  evaluating), `:memory_limit` (`:details` holds the bytes `:need`ed, `:in_use`
+  and the `:limit`), `:stale_generation`, `:protocol` (a malformed frame) or
+  `:system` (the operating system refused); `nil` for failures of the client's
+  own. The message is `"op: cause"`, the op named once.
   """
 
   @type reason ::
           :op_failed | :worker_died | :stale_generation | :deallocated | :worker_unavailable | :timeout
 
-  defexception [:reason, :op, :message]
+  @type kind :: :invalid | :mlx | :memory_limit | :stale_generation | :protocol | :system | nil
 
-  @type t :: %__MODULE__{reason: reason(), op: atom() | nil, message: String.t()}
+  defexception [:reason, :op, :message, :kind, details: %{}]
+
+  @type t :: %__MODULE__{
+          reason: reason(),
+          op: atom() | nil,
+          message: String.t(),
+          kind: kind(),
+          details: map()
+        }
 
   @doc false
-  @spec new(reason(), atom() | nil, String.t()) :: t()
-  def new(reason, op, detail) do
-    prefix = if op, do: "#{op}: ", else: ""
-    %__MODULE__{reason: reason, op: op, message: prefix <> detail}
+  @spec new(reason(), atom() | nil, String.t(), kind(), map()) :: t()
+  def new(reason, op, detail, kind \\ nil, details \\ %{}) do
+    %__MODULE__{reason: reason, op: op, message: prefix(op) <> detail, kind: kind, details: details}
   end
+
+  @doc false
+  # The failure of an `{:error, seq, op, failure}` reply; the only place a
+  # worker's failure becomes a message.
+  @spec from_worker(atom(), term()) :: t()
+  def from_worker(_op, %{kind: :stale_generation, message: message}) when is_binary(message),
+    do: new(:stale_generation, nil, message, :stale_generation)
+
+  def from_worker(op, %{kind: kind, message: message} = failure) when is_atom(kind) and is_binary(message),
+    do: new(:op_failed, op, message <> hint(kind), kind, Map.drop(failure, [:kind, :message]))
+
+  def from_worker(op, other),
+    do: new(:op_failed, op, "the worker sent a failure this client cannot read: #{inspect(other)}", :protocol)
+
+  @doc false
+  # The same failure, named after another op (an upload's errors name
+  # :from_binary, whichever frame carried its bytes).
+  @spec with_op(t(), atom() | nil) :: t()
+  def with_op(%__MODULE__{op: old, message: message} = e, op),
+    do: %{e | op: op, message: prefix(op) <> String.replace_prefix(message, prefix(old), "")}
+
+  defp prefix(nil), do: ""
+  defp prefix(op), do: "#{op}: "
+
+  defp hint(:memory_limit), do: " (Moat.set_memory_limit/1)"
+  defp hint(_kind), do: ""
 end

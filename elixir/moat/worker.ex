@@ -295,12 +295,12 @@ defmodule Moat.Worker do
     state
   end
 
-  defp route({:error, 0, op, message}, _payload, state) when is_atom(op) and is_binary(message) do
+  defp route({:error, 0, op, %{message: message}}, _payload, state) when is_atom(op) and is_binary(message) do
     Logger.error("Moat worker refused a frame (#{op}): #{message}")
     state
   end
 
-  defp route({:error, seq, op, message}, _payload, state), do: reply(state, seq, {:error, op, message})
+  defp route({:error, seq, op, failure}, _payload, state), do: reply(state, seq, {:error, op, failure})
 
   defp route(other, _payload, state) do
     Logger.error("Moat worker sent an unexpected frame: #{inspect(other, limit: 20)}")
@@ -312,7 +312,8 @@ defmodule Moat.Worker do
   defp fail_undecodable(frame, why, state) do
     case Protocol.peek_seq(frame) do
       {:ok, seq} when seq > 0 ->
-        reply(state, seq, {:error, :protocol, "the worker's reply could not be decoded: #{why}"})
+        failure = %{kind: :protocol, message: "the worker's reply could not be decoded: #{why}"}
+        reply(state, seq, {:error, :protocol, failure})
 
       _ ->
         state

@@ -58,7 +58,7 @@ impl fmt::Display for Exceeded {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "memory limit exceeded: needs {}, {} in use, limit {} (Moat.set_memory_limit/1)",
+            "memory limit exceeded: needs {}, {} in use, limit {}",
             human(self.need),
             human(self.in_use),
             human(self.limit)
@@ -432,7 +432,7 @@ mod tests {
         };
         assert_eq!(
             e.to_string(),
-            "memory limit exceeded: needs 8.0 MiB, 1.0 MiB in use, limit 4.0 MiB (Moat.set_memory_limit/1)"
+            "memory limit exceeded: needs 8.0 MiB, 1.0 MiB in use, limit 4.0 MiB"
         );
     }
 }

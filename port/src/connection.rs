@@ -9,6 +9,7 @@
 //! large readbacks into `chunk_bytes` frames.
 
 use crate::budget::budget;
+use crate::failure::Failure;
 use crate::frame::{write_frame, FrameReader, Head, Limits};
 use crate::mlx::{Array, Buffer, Dtype, Evaluated};
 use crate::protocol::{self, Id, Malformed, Request};
@@ -124,9 +125,8 @@ impl<R: Read> Reader<R> {
         let parsed = header
             .map_err(|e| Malformed {
                 seq: 0,
-                op: "protocol".into(),
                 outs: vec![],
-                message: e.to_string(),
+                failure: Failure::protocol("protocol", e.to_string()),
             })
             .and_then(Request::parse);
         let req = match parsed {
@@ -142,20 +142,20 @@ impl<R: Read> Reader<R> {
                 "frame of more than {} bytes refused (send large tensors in chunks of at most {} bytes)",
                 limits.max_frame_bytes, limits.chunk_bytes
             );
-            return self.refuse(req, "protocol", message);
+            return self.refuse(req, Failure::protocol("protocol", message));
         }
         match req.op.as_str() {
             "from_binary" | "upload" if req.seq != 0 => {
                 let message = format!("{} is fire-and-forget: send it with seq 0", req.op);
-                let op = req.op.clone();
-                self.refuse(req, &op, message)
+                let failure = Failure::protocol(&req.op, message);
+                self.refuse(req, failure)
             }
             "from_binary" => self.start_upload(req, payload_len),
             "upload" => self.continue_upload(req, payload_len),
             _ if payload_len > 0 => {
                 let message = format!("{} takes no payload, got {payload_len} bytes", req.op);
-                let op = req.op.clone();
-                self.refuse(req, &op, message)
+                let failure = Failure::protocol(&req.op, message);
+                self.refuse(req, failure)
             }
             "upload_file" => self.stage(req),
             "from_file" => self.map_file(req),
@@ -174,7 +174,7 @@ impl<R: Read> Reader<R> {
 
     /// Drops the frame's payload and any upload in progress for its ids; the
     /// session poisons them and answers a call.
-    fn refuse(&mut self, req: Request, op: &str, message: String) -> io::Result<Incoming> {
+    fn refuse(&mut self, req: Request, failure: Failure) -> io::Result<Incoming> {
         self.frames.skip_payload()?;
         for id in &req.outs {
             self.uploads.remove(id);
@@ -182,27 +182,26 @@ impl<R: Read> Reader<R> {
         }
         Ok(Incoming::Malformed(Malformed {
             seq: req.seq,
-            op: op.to_string(),
             outs: req.outs,
-            message,
+            failure,
         }))
     }
 
     fn start_upload(&mut self, req: Request, payload_len: usize) -> io::Result<Incoming> {
         let (shape, dtype, total) = match upload_attrs(&req) {
             Ok(v) => v,
-            Err(message) => return self.refuse(req, "from_binary", message),
+            Err(message) => return self.refuse(req, Failure::invalid(FROM_BINARY, message)),
         };
         if payload_len > total {
             let message = format!("payload of {payload_len} bytes exceeds the tensor's {total} bytes");
-            return self.refuse(req, "from_binary", message);
+            return self.refuse(req, Failure::invalid(FROM_BINARY, message));
         }
         if let Err(e) = budget().admit(total) {
-            return self.refuse(req, "from_binary", format!("from_binary: {e}"));
+            return self.refuse(req, Failure::memory_limit(FROM_BINARY, &e));
         }
         let mut buffer = match Buffer::alloc(total) {
             Ok(b) => b,
-            Err(e) => return self.refuse(req, "from_binary", e.message),
+            Err(e) => return self.refuse(req, Failure::mlx(FROM_BINARY, e)),
         };
         self.frames.read_payload(&mut buffer.as_mut_slice()[..payload_len])?;
         Ok(self.finish_or_park(Pending {
@@ -217,10 +216,14 @@ impl<R: Read> Reader<R> {
     fn continue_upload(&mut self, req: Request, payload_len: usize) -> io::Result<Incoming> {
         let id = match req.outs.as_slice() {
             [id] if req.ins.is_empty() => *id,
-            _ => return self.refuse(req, "upload", "upload defines exactly one id and reads none".into()),
+            _ => {
+                let failure = Failure::invalid("upload", "upload defines exactly one id and reads none");
+                return self.refuse(req, failure);
+            }
         };
         let Some(mut pending) = self.uploads.remove(&id) else {
-            return self.refuse(req, "upload", format!("no upload in progress for tensor id {id}"));
+            let failure = Failure::invalid("upload", format!("no upload in progress for tensor id {id}"));
+            return self.refuse(req, failure);
         };
         let total = pending.buffer.len();
         let offset = req.attrs.as_int();
@@ -229,7 +232,7 @@ impl<R: Read> Reader<R> {
                 "chunk at offset {} with {payload_len} bytes does not continue tensor {id} ({} of {total} bytes received)",
                 req.attrs, pending.filled
             );
-            return self.refuse(pending.req, "upload", message);
+            return self.refuse(pending.req, Failure::invalid("upload", message));
         }
         let filled = pending.filled;
         self.frames
@@ -261,29 +264,31 @@ impl<R: Read> Reader<R> {
     /// where it is.
     fn stage(&mut self, req: Request) -> io::Result<Incoming> {
         if !self.config.shared_memory {
-            return self.refuse(req, FROM_BINARY, "shared memory is off in this worker".into());
+            return self.refuse(
+                req,
+                Failure::invalid(FROM_BINARY, "shared memory is off in this worker"),
+            );
         }
         if req.seq == 0 {
-            return self.refuse(req, FROM_BINARY, "upload_file is a call: send it with a seq".into());
+            let failure = Failure::protocol(FROM_BINARY, "upload_file is a call: send it with a seq");
+            return self.refuse(req, failure);
         }
         if req.generation != self.config.generation {
-            let message = format!(
-                "upload_file was sent to worker generation {} but this worker is generation {}",
-                req.generation, self.config.generation
-            );
-            return self.refuse(req, "stale_generation", message);
+            let failure = Failure::stale_generation(req.generation, self.config.generation, "upload_file");
+            return self.refuse(req, failure);
         }
         let (shape, dtype, total) = match upload_attrs(&req) {
             Ok(v) => v,
-            Err(message) => return self.refuse(req, FROM_BINARY, message),
+            Err(message) => return self.refuse(req, Failure::invalid(FROM_BINARY, message)),
         };
         let id = req.outs[0];
         if self.staged.contains_key(&id) || self.uploads.contains_key(&id) {
-            return self.refuse(req, FROM_BINARY, format!("tensor id {id} is already being uploaded"));
+            let failure = Failure::invalid(FROM_BINARY, format!("tensor id {id} is already being uploaded"));
+            return self.refuse(req, failure);
         }
         let staged = match Staged::new(shape, dtype, total).and_then(|s| s.location().map(|at| (s, at))) {
             Ok(v) => v,
-            Err(message) => return self.refuse(req, FROM_BINARY, format!("from_binary: {message}")),
+            Err(failure) => return self.refuse(req, failure),
         };
         let (staged, location) = staged;
         self.staged.insert(id, staged);
@@ -298,26 +303,23 @@ impl<R: Read> Reader<R> {
         let id = match req.outs.as_slice() {
             [id] if req.ins.is_empty() => *id,
             _ => {
-                return self.refuse(
-                    req,
-                    FROM_BINARY,
-                    "from_file defines exactly one id and reads none".into(),
-                )
+                let failure = Failure::invalid(FROM_BINARY, "from_file defines exactly one id and reads none");
+                return self.refuse(req, failure);
             }
         };
         let Some(staged) = self.staged.remove(&id) else {
-            return self.refuse(
-                req,
+            let failure = Failure::invalid(
                 FROM_BINARY,
                 format!("no shared file for tensor id {id} (see upload_file)"),
             );
+            return self.refuse(req, failure);
         };
         match staged.map() {
             Ok(mapped) => Ok(Incoming::Request {
                 req,
                 upload: Some(Upload::Shared(mapped)),
             }),
-            Err(message) => self.refuse(req, FROM_BINARY, message),
+            Err(failure) => self.refuse(req, failure),
         }
     }
 }

@@ -1,7 +1,7 @@
 //! Moat's MLX worker. `main.rs` wires the threads; the modules follow the
 //! layers of protocol.md: `term` and `frame` (bytes), `protocol` (typed
 //! headers), `connection` (reader and writer threads), `session` (the MLX
-//! thread), `checks` (what every op's outputs must pass), `registry` (ids to
+//! thread), `failure` (failures as data), `checks` (what every op's outputs must pass), `registry` (ids to
 //! arrays), `budget` (the memory limit), `shared` (same-host transfers
 //! through shared memory), `ops` (the op table), `mlx` (the safe layer over
 //! the C++ shim) and `sys` (OS calls).
@@ -9,6 +9,7 @@
 pub mod budget;
 pub mod checks;
 pub mod connection;
+pub mod failure;
 #[cfg(feature = "fault-injection")]
 pub mod fault;
 pub mod frame;

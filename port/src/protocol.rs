@@ -1,5 +1,6 @@
 //! The typed side of protocol.md: request headers in, reply headers out.
 
+use crate::failure::{Failure, Kind};
 use crate::mlx::Dtype;
 use crate::term::Term;
 
@@ -18,14 +19,14 @@ pub struct Request {
     pub attrs: Term,
 }
 
-/// A header that is not a well-formed request. Whatever could be read of it
-/// is kept so the error can still reach the caller and poison its outputs.
+/// A header that is not a well-formed request, or a request refused as a
+/// whole before it reaches the session. Whatever could be read of it is kept
+/// so the failure can still reach the caller and poison its outputs.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Malformed {
     pub seq: u64,
-    pub op: String,
     pub outs: Vec<Id>,
-    pub message: String,
+    pub failure: Failure,
 }
 
 impl Request {
@@ -84,9 +85,8 @@ impl Request {
 fn malformed(seq: u64, op: &str, outs: Vec<Id>, message: String) -> Malformed {
     Malformed {
         seq,
-        op: op.to_string(),
         outs,
-        message,
+        failure: Failure::protocol(op, message),
     }
 }
 
@@ -126,12 +126,23 @@ pub fn more(seq: u64) -> Term {
     Term::tuple(vec![Term::atom("more"), Term::int(seq)])
 }
 
-pub fn error(seq: u64, op: &str, message: &str) -> Term {
+/// `{:error, seq, op, %{kind: kind, message: binary, ...}}`: the kind's
+/// fields join the map (§4).
+pub fn error(seq: u64, failure: &Failure) -> Term {
+    let mut fields = vec![
+        ("kind", Term::atom(failure.kind.name())),
+        ("message", Term::Binary(failure.message.as_bytes().to_vec())),
+    ];
+    if let Kind::MemoryLimit { need, in_use, limit } = failure.kind {
+        fields.push(("need", Term::int(need as u64)));
+        fields.push(("in_use", Term::int(in_use as u64)));
+        fields.push(("limit", Term::int(limit as u64)));
+    }
     Term::tuple(vec![
         Term::atom("error"),
         Term::int(seq),
-        Term::atom(op),
-        Term::Binary(message.as_bytes().to_vec()),
+        Term::atom(&failure.op),
+        map(fields),
     ])
 }
 
@@ -176,6 +187,33 @@ mod tests {
     }
 
     #[test]
+    fn failures_are_maps_of_kind_message_and_the_kind_s_fields() {
+        let exceeded = crate::budget::Exceeded {
+            need: 8,
+            in_use: 1,
+            limit: 4,
+        };
+        let cases = [
+            (Failure::invalid("add", "bad"), "%{kind: :invalid, message: \"bad\"}"),
+            (Failure::mlx("eval", crate::mlx::Error::new("raised")), "%{kind: :mlx, message: \"raised\"}"),
+            (
+                Failure::memory_limit("eval", &exceeded),
+                "%{in_use: 1, kind: :memory_limit, limit: 4, message: \"memory limit exceeded: needs 8 bytes, 1 bytes in use, limit 4 bytes\", need: 8}",
+            ),
+            (
+                Failure::stale_generation(2, 3, "sync"),
+                "%{kind: :stale_generation, message: \"sync was sent to worker generation 2 but this worker is generation 3\"}",
+            ),
+            (Failure::protocol("protocol", "short"), "%{kind: :protocol, message: \"short\"}"),
+            (Failure::system("from_binary", "no fd"), "%{kind: :system, message: \"no fd\"}"),
+        ];
+        for (failure, expected) in cases {
+            let term = error(7, &failure);
+            assert_eq!(term.to_string(), format!("{{:error, 7, :{}, {expected}}}", failure.op));
+        }
+    }
+
+    #[test]
     fn malformed_requests_keep_what_can_be_read() {
         let t = Term::tuple(vec![
             Term::int(4),
@@ -184,7 +222,7 @@ mod tests {
             Term::List(vec![Term::int(9)]),
         ]);
         let m = Request::parse(t).unwrap_err();
-        assert_eq!((m.seq, m.op.as_str(), m.outs), (4, "add", vec![9]));
+        assert_eq!((m.seq, m.failure.op.as_str(), m.outs), (4, "add", vec![9]));
         let t = Term::tuple(vec![
             Term::int(4),
             Term::int(1),
@@ -193,6 +231,10 @@ mod tests {
             Term::List(vec![Term::int(0)]),
             Term::nil(),
         ]);
-        assert!(Request::parse(t).unwrap_err().message.contains("bad tensor id 0"));
+        assert!(Request::parse(t)
+            .unwrap_err()
+            .failure
+            .message
+            .contains("bad tensor id 0"));
     }
 }

@@ -1,26 +1,10 @@
 //! Tensor ids to MLX arrays, or to the failure that poisoned them.
 
+pub use crate::failure::Failure;
 use crate::mlx::Array;
 use crate::protocol::Id;
 use std::collections::HashMap;
 use std::rc::Rc;
-
-/// The first failure in a chain of ops: every tensor computed from a poisoned
-/// input carries the same `Failure`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Failure {
-    pub op: String,
-    pub message: String,
-}
-
-impl Failure {
-    pub fn new(op: &str, message: impl Into<String>) -> Rc<Failure> {
-        Rc::new(Failure {
-            op: op.to_string(),
-            message: message.into(),
-        })
-    }
-}
 
 enum Slot {
     Ready(Array),

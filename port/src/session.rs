@@ -128,14 +128,14 @@ impl Session {
     pub fn handle(&mut self, msg: Incoming) {
         match msg {
             Incoming::Request { req, upload } => self.request(req, upload),
-            Incoming::Malformed(Malformed { seq, op, outs, message }) => {
-                log::warn!("refused frame (seq {seq}, op {op}): {message}");
+            Incoming::Malformed(Malformed { seq, outs, failure }) => {
+                log::warn!("refused frame (seq {seq}, op {}): {}", failure.op, failure.message);
                 if seq == 0 && !outs.is_empty() {
                     // No caller waits on it: report it unprompted so it is not
                     // lost (`fail` does so itself when there are no outs).
-                    self.send(Outgoing::Frame(protocol::error(0, &op, &message)));
+                    self.send(Outgoing::Frame(protocol::error(0, &failure)));
                 }
-                self.fail(seq, &outs, Failure::new(&op, message));
+                self.fail(seq, &outs, Rc::new(failure));
             }
             Incoming::Consumed => {}
         }
@@ -143,11 +143,8 @@ impl Session {
 
     fn request(&mut self, req: Request, upload: Option<Upload>) {
         if req.generation != self.generation {
-            let message = format!(
-                "{} was sent to worker generation {} but this worker is generation {}",
-                req.op, req.generation, self.generation
-            );
-            return self.fail(req.seq, &req.outs, Failure::new("stale_generation", message));
+            let failure = Failure::stale_generation(req.generation, self.generation, &req.op);
+            return self.fail(req.seq, &req.outs, Rc::new(failure));
         }
         let defined = |id: &Id| self.registry.contains(*id) || self.pins.contains_key(id);
         if let Some(id) = req.outs.iter().copied().find(defined) {
@@ -157,7 +154,7 @@ impl Session {
             let fresh: Vec<Id> = req.outs.iter().copied().filter(|id| !defined(id)).collect();
             let failure = Failure::new(&req.op, format!("tensor id {id} is already defined"));
             if req.seq == 0 && !fresh.is_empty() {
-                self.send(Outgoing::Frame(protocol::error(0, &failure.op, &failure.message)));
+                self.send(Outgoing::Frame(protocol::error(0, &failure)));
             }
             return self.fail(req.seq, &fresh, failure);
         }
@@ -195,7 +192,7 @@ impl Session {
             self.registry.poison(*id, failure.clone());
         }
         if seq != 0 || outs.is_empty() {
-            self.send(Outgoing::Frame(protocol::error(seq, &failure.op, &failure.message)));
+            self.send(Outgoing::Frame(protocol::error(seq, &failure)));
         }
     }
 
@@ -223,7 +220,7 @@ impl Session {
         match outputs {
             Ok(arrays) if arrays.len() == req.outs.len() => {
                 if let Err(e) = budget::admit_results(&arrays) {
-                    return self.fail(req.seq, &req.outs, Failure::new(&req.op, e.to_string()));
+                    return self.fail(req.seq, &req.outs, eval_failure(&req.op, e));
                 }
                 for (id, array) in req.outs.iter().zip(arrays) {
                     self.registry.insert(*id, array);
@@ -256,7 +253,7 @@ impl Session {
                 self.registry.insert(req.outs[0], array);
                 self.reply(req.seq, Term::atom("nil"));
             }
-            Err(e) => self.fail(req.seq, &req.outs, Failure::new("from_binary", e.message)),
+            Err(e) => self.fail(req.seq, &req.outs, Rc::new(Failure::mlx("from_binary", e))),
         }
     }
 
@@ -282,9 +279,9 @@ impl Session {
                 // Reading back copies it into one dense block first.
                 budget()
                     .admit(array.nbytes())
-                    .map_err(|e| Failure::new(&req.op, e.to_string()))?;
+                    .map_err(|e| Rc::new(Failure::memory_limit(&req.op, &e)))?;
             }
-            array.evaluate().map_err(|e| Failure::new(&req.op, e.message))
+            array.evaluate().map_err(|e| Rc::new(Failure::mlx(&req.op, e)))
         });
         match (result, pin) {
             (Ok(_), _) if req.seq == 0 => {}
@@ -368,9 +365,13 @@ impl Session {
 
 /// Evaluates `arrays` within the memory limit (see `budget::evaluate`).
 fn eval_within_budget(arrays: &[&Array], op: &str) -> Result<(), Rc<Failure>> {
-    budget::evaluate(arrays).map_err(|e| match e {
-        EvalError::Exceeded(e) => Failure::new(op, e.to_string()),
-        EvalError::Mlx(e) => Failure::new(op, e.message),
+    budget::evaluate(arrays).map_err(|e| eval_failure(op, e))
+}
+
+fn eval_failure(op: &str, e: EvalError) -> Rc<Failure> {
+    Rc::new(match e {
+        EvalError::Exceeded(e) => Failure::memory_limit(op, &e),
+        EvalError::Mlx(e) => Failure::mlx(op, e),
     })
 }
 

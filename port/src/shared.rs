@@ -15,6 +15,7 @@
 //! request fits only without the cache.
 
 use crate::budget::{self, budget, Held};
+use crate::failure::Failure;
 use crate::mlx::{Array, Dtype};
 use crate::protocol;
 use crate::sys::{self, Mapping};
@@ -25,6 +26,10 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::MetadataExt;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::OnceLock;
+
+/// The op a shared-memory upload's failures name: it is `from_binary`
+/// through shared memory (see `connection`).
+const OP: &str = "from_binary";
 
 /// Memory files kept open at most (by live tensors and the cache), far
 /// below the usual descriptor limit; past it, files are closed once mapped
@@ -44,9 +49,9 @@ impl Staged {
     /// A file of exactly `len` bytes, a cached one if there is one; they
     /// count against the memory limit from now on, as the client is about to
     /// fill them.
-    pub fn new(shape: Vec<i32>, dtype: Dtype, len: usize) -> Result<Staged, String> {
+    pub fn new(shape: Vec<i32>, dtype: Dtype, len: usize) -> Result<Staged, Failure> {
         if len == 0 {
-            return Err("an empty tensor travels in its from_binary frame".into());
+            return Err(Failure::invalid(OP, "an empty tensor travels in its from_binary frame"));
         }
         // Taken first, so that making room does not clear the very file
         // reused; given back if there is no room.
@@ -57,12 +62,12 @@ impl Staged {
                 if let Some(file) = cached {
                     budget::keep(len, file);
                 }
-                return Err(e.to_string());
+                return Err(Failure::memory_limit(OP, &e));
             }
         };
         let file = match cached {
             Some(file) => file,
-            None => Kept::new(new_file(len)?),
+            None => Kept::new(new_file(len).map_err(|m| Failure::system(OP, m))?),
         };
         Ok(Staged {
             file,
@@ -75,12 +80,12 @@ impl Staged {
 
     /// `%{path: "/proc/<pid>/fd/<fd>", inode: n}`: where the client opens
     /// the file, and the inode by which it checks that it opened this one.
-    pub fn location(&self) -> Result<Term, String> {
+    pub fn location(&self) -> Result<Term, Failure> {
         let inode = self
             .file
             .0
             .metadata()
-            .map_err(|e| format!("cannot stat a shared file: {e}"))?
+            .map_err(|e| Failure::system(OP, format!("cannot stat a shared file: {e}")))?
             .ino();
         let path = format!("/proc/{}/fd/{}", sys::os_pid(), self.file.0.as_raw_fd());
         Ok(protocol::map(vec![
@@ -91,9 +96,9 @@ impl Staged {
 
     /// Maps what the client wrote, pages in place. The file stays open, to
     /// be cached once its tensor is gone (unless too many are open).
-    pub fn map(self) -> Result<Mapped, String> {
+    pub fn map(self) -> Result<Mapped, Failure> {
         let mapping = Mapping::of_file(&self.file.0, self.len, 64)
-            .map_err(|e| format!("cannot map the shared file of {} bytes: {e}", self.len))?;
+            .map_err(|e| Failure::system(OP, format!("cannot map the shared file of {} bytes: {e}", self.len)))?;
         let file = (KEPT.load(Ordering::Acquire) <= MAX_KEPT).then_some(self.file);
         let after = After {
             _held: self.held,

@@ -242,13 +242,26 @@ pub fn tensor_attrs(shape: &[i32], kind: &str, bits: u32, bytes: usize) -> Term 
     ])
 }
 
-/// `{:error, seq, op, message}` → (op, message).
+/// `{:error, seq, op, %{kind: kind, message: message, ...}}` → (op, message).
 pub fn error_parts(t: &Term) -> (String, String) {
     match t.as_tuple() {
-        Some([tag, _, op, Term::Binary(m)]) if tag.is_atom("error") => (
-            op.as_atom().unwrap().to_string(),
-            String::from_utf8_lossy(m).into_owned(),
-        ),
+        Some([tag, _, op, failure]) if tag.is_atom("error") => match failure.get("message") {
+            Some(Term::Binary(m)) => (
+                op.as_atom().unwrap().to_string(),
+                String::from_utf8_lossy(m).into_owned(),
+            ),
+            _ => panic!("an error reply without a message: {t}"),
+        },
+        _ => panic!("not an error reply: {t}"),
+    }
+}
+
+/// The `kind` of an error reply's failure.
+pub fn error_kind(t: &Term) -> String {
+    match t.as_tuple() {
+        Some([tag, _, _, failure]) if tag.is_atom("error") => {
+            failure.get("kind").and_then(Term::as_atom).expect("a kind").to_string()
+        }
         _ => panic!("not an error reply: {t}"),
     }
 }

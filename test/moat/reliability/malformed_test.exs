@@ -187,8 +187,8 @@ defmodule Moat.Reliability.MalformedTest do
     {:ok, 9, %{bytes: 16, dtype: {:f, 32}, shape: [2, 2]}},
     {:ok, 3, nil},
     {:more, 9},
-    {:error, 12, :matmul, "[matmul] shapes"},
-    {:error, 0, :protocol, "frame refused"},
+    {:error, 12, :matmul, %{kind: :invalid, message: "[matmul] shapes"}},
+    {:error, 0, :protocol, %{kind: :protocol, message: "frame refused"}},
     {:hello, 1, %{os_pid: 1, generation: 2}}
   ]
 

@@ -106,6 +106,21 @@ defmodule Moat.Reliability do
     :ok
   end
 
+  @doc """
+  Appends a row of what a test observed, answer by answer, to the same log:
+  the faults `:injected`, and of the callers' answers those `:correct`, those
+  that were `:errors` (a `Moat.Error`), the callers `:hung` (no answer) and
+  the results `:lost` (wrong data). Record first, then assert, so that the
+  row counts what happened.
+  """
+  def record_observed(group, fault, %{injected: i, correct: c, errors: e, hung: h, lost: l}, note) do
+    if path = System.get_env("MOAT_RELIABILITY_LOG") do
+      File.write!(path, "#{group}\t#{fault}\t#{i}\t#{c}\t#{e}\t#{h}\t#{l}\t#{note}\n", [:append])
+    end
+
+    :ok
+  end
+
   @doc "The machine's available memory, in bytes (`MemAvailable`)."
   def mem_available do
     "/proc/meminfo"

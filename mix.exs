@@ -24,15 +24,10 @@ defmodule Moat.MixProject do
   def application do
     [
       extra_applications: [:logger],
-      mod: {Moat.Application, []},
-      env: [
-        worker_log_level: :warning,
-        fallback: :silent,
-        window: 1024,
-        gc_nudge: 1_000,
-        chunk_bytes: 64 * 1024 * 1024,
-        max_frame_bytes: 320 * 1024 * 1024
-      ]
+      # No `env:` defaults here: each setting's default is written once, in
+      # the module that reads it (Moat.Worker's @defaults, Moat.Backend's
+      # fallback policy); `config :moat, ...` overrides them.
+      mod: {Moat.Application, []}
     ]
   end
 

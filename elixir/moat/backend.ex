@@ -558,12 +558,11 @@ defmodule Moat.Backend do
   ## Blocks
 
   # Nx.block/4 structs (linear algebra, cumulative ops, take, top_k, fft2...)
-  # run natively where a family implements them; otherwise Nx's default
-  # implementation runs, built from the callbacks above.
+  # run natively as one worker op each where `native_block/3` has a clause;
+  # otherwise Nx's default implementation runs, built from the callbacks above.
   @impl true
   def block(struct, output, args, fun) do
-    with :default <- elementwise_block(struct, output, args),
-         :default <- indexing_block(struct, output, args) do
+    with :default <- native_block(struct, output, args) do
       apply(fun, [struct | args])
     end
   end
@@ -575,11 +574,13 @@ defmodule Moat.Backend do
     Nx.Block.CumulativeMax => :cumulative_max
   }
 
-  defp elementwise_block(%Nx.Block.LogicalNot{}, out, [t]), do: op(out, :logical_not, [t], %{type: out.type})
+  alias Nx.Block.LinAlg
 
-  defp elementwise_block(%Nx.Block.Phase{}, out, [t]), do: op(out, :phase, [t], %{type: out.type})
+  defp native_block(%Nx.Block.LogicalNot{}, out, [t]), do: op(out, :logical_not, [t], %{type: out.type})
 
-  defp elementwise_block(%Nx.Block.AllClose{} = o, out, [a, b]) do
+  defp native_block(%Nx.Block.Phase{}, out, [t]), do: op(out, :phase, [t], %{type: out.type})
+
+  defp native_block(%Nx.Block.AllClose{} = o, out, [a, b]) do
     input_type =
       if Nx.Type.integer?(a.type) and Nx.Type.integer?(b.type),
         do: {:f, 64},
@@ -589,61 +590,57 @@ defmodule Moat.Backend do
     op(out, :all_close, [a, b], attrs)
   end
 
-  defp elementwise_block(%block{axis: axis, reverse: reverse}, out, [t]) when is_map_key(@cumulative_blocks, block) do
+  defp native_block(%block{axis: axis, reverse: reverse}, out, [t]) when is_map_key(@cumulative_blocks, block) do
     op(out, Map.fetch!(@cumulative_blocks, block), [t], %{axis: axis, reverse: reverse, type: out.type})
   end
 
-  defp elementwise_block(%Nx.Block.TopK{k: k}, {_, indices} = out, [t]) do
+  defp native_block(%Nx.Block.TopK{k: k}, {_, indices} = out, [t]) do
     multi_op(out, :top_k, [t], %{k: k, index_type: indices.type})
   end
 
-  defp elementwise_block(_struct, _output, _args), do: :default
-
-  alias Nx.Block.LinAlg
-
-  defp indexing_block(%Nx.Block.Take{axis: axis}, out, [tensor, indices]),
+  defp native_block(%Nx.Block.Take{axis: axis}, out, [tensor, indices]),
     do: op(out, :take, [tensor, indices], %{axis: axis})
 
-  defp indexing_block(%Nx.Block.TakeAlongAxis{axis: axis}, out, [tensor, indices]),
+  defp native_block(%Nx.Block.TakeAlongAxis{axis: axis}, out, [tensor, indices]),
     do: op(out, :take_along_axis, [tensor, indices], %{axis: axis})
 
   # MLX's decompositions are real (f32/f64); complex inputs take Nx's
   # default implementations (the last clause).
-  defp indexing_block(%LinAlg.QR{mode: mode, eps: eps}, {%T{type: {k, _}} = q, _} = out, [t]) when k != :c,
+  defp native_block(%LinAlg.QR{mode: mode, eps: eps}, {%T{type: {k, _}} = q, _} = out, [t]) when k != :c,
     do: multi_op(out, :qr, [t], %{mode: mode, eps: eps, type: q.type})
 
-  defp indexing_block(%LinAlg.Cholesky{}, %T{type: {k, _}} = out, [t]) when k != :c,
+  defp native_block(%LinAlg.Cholesky{}, %T{type: {k, _}} = out, [t]) when k != :c,
     do: op(out, :cholesky, [t], %{type: out.type})
 
-  defp indexing_block(%LinAlg.Eigh{eps: eps}, {%T{type: {k, _}}, v} = out, [t]) when k != :c,
+  defp native_block(%LinAlg.Eigh{eps: eps}, {%T{type: {k, _}}, v} = out, [t]) when k != :c,
     do: multi_op(out, :eigh, [t], %{eps: eps, type: v.type})
 
-  defp indexing_block(%LinAlg.SVD{full_matrices?: full}, {%T{type: {k, _}} = u, _, _} = out, [t])
+  defp native_block(%LinAlg.SVD{full_matrices?: full}, {%T{type: {k, _}} = u, _, _} = out, [t])
        when k != :c,
        do: multi_op(out, :svd, [t], %{full_matrices: full, type: u.type})
 
-  defp indexing_block(%LinAlg.LU{}, {p, %T{type: {k, _}} = l, _} = out, [t]) when k != :c,
+  defp native_block(%LinAlg.LU{}, {p, %T{type: {k, _}} = l, _} = out, [t]) when k != :c,
     do: multi_op(out, :lu, [t], %{p_type: p.type, type: l.type})
 
-  defp indexing_block(%LinAlg.Solve{}, %T{type: {k, _}} = out, [a, b]) when k != :c,
+  defp native_block(%LinAlg.Solve{}, %T{type: {k, _}} = out, [a, b]) when k != :c,
     do: op(out, :solve, [a, b], %{type: out.type})
 
-  defp indexing_block(%LinAlg.Determinant{}, %T{type: {k, _}} = out, [t]) when k != :c,
+  defp native_block(%LinAlg.Determinant{}, %T{type: {k, _}} = out, [t]) when k != :c,
     do: op(out, :determinant, [t], %{type: out.type})
 
-  defp indexing_block(%Nx.Block.FFT2{} = s, out, [t]),
+  defp native_block(%Nx.Block.FFT2{} = s, out, [t]),
     do: op(out, :fft2, [t], %{axes: s.axes, lengths: s.lengths, eps: s.eps, type: out.type})
 
-  defp indexing_block(%Nx.Block.IFFT2{} = s, out, [t]),
+  defp native_block(%Nx.Block.IFFT2{} = s, out, [t]),
     do: op(out, :ifft2, [t], %{axes: s.axes, lengths: s.lengths, eps: s.eps, type: out.type})
 
-  defp indexing_block(%Nx.Block.RFFT{} = s, out, [t]),
+  defp native_block(%Nx.Block.RFFT{} = s, out, [t]),
     do: op(out, :rfft, [t], %{axis: s.axis, length: s.length, eps: s.eps, type: out.type})
 
-  defp indexing_block(%Nx.Block.IRFFT{} = s, out, [t]),
+  defp native_block(%Nx.Block.IRFFT{} = s, out, [t]),
     do: op(out, :irfft, [t], %{axis: s.axis, length: s.length, eps: s.eps, type: out.type})
 
-  defp indexing_block(_struct, _output, _args), do: :default
+  defp native_block(_struct, _output, _args), do: :default
 
   ## Fallbacks
 

@@ -52,7 +52,7 @@ defmodule Moat.Releaser do
 
   @impl true
   def init(opts) do
-    nudge = Keyword.get(opts, :gc_nudge, 1_000)
+    nudge = Keyword.fetch!(opts, :gc_nudge)
     if nudge, do: Process.send_after(self(), :nudge, nudge)
     {:ok, %{send_release: nil, pending: [], count: 0, creators: %{}, nudge: nudge}}
   end

@@ -52,9 +52,21 @@ defmodule Moat.Worker do
       turns it off). See `Moat`, "Memory".
   """
 
-  # Below this, the pipe's single frame is faster than shared memory's extra
-  # file operations (bench/foundation.exs).
-  @shared_threshold 1024 * 1024
+  # Every setting's default, in one place: an option of `start_link/1` wins,
+  # then `config :moat, ...` (`:worker_log_level` for `:log_level`), then this.
+  @defaults [
+    log_level: :warning,
+    window: 1024,
+    chunk_bytes: 64 * 1024 * 1024,
+    max_frame_bytes: 320 * 1024 * 1024,
+    debug: [],
+    shared_memory: true,
+    # Below this, the pipe's single frame is faster than shared memory's extra
+    # file operations (bench/foundation.exs).
+    shared_memory_threshold: 1024 * 1024,
+    hello_timeout: 15_000,
+    gc_nudge: 1_000
+  ]
 
   use GenServer
   require Logger
@@ -93,22 +105,23 @@ defmodule Moat.Worker do
     name = Keyword.fetch!(opts, :name)
     generation = Client.last_generation(name) + 1
     env = Application.get_all_env(:moat)
-    setting = &Keyword.get(opts, &1, Keyword.get(env, &1, &2))
-    chunk = setting.(:chunk_bytes, 64 * 1024 * 1024)
+    env = if level = env[:worker_log_level], do: Keyword.put(env, :log_level, level), else: env
+    setting = &setting(opts, env, &1)
+    chunk = setting.(:chunk_bytes)
 
     args = [
       "--generation",
       "#{generation}",
       "--log-level",
-      worker_log_level(Keyword.get(opts, :log_level, env[:worker_log_level] || :warning)),
+      worker_log_level(setting.(:log_level)),
       "--chunk-bytes",
       "#{chunk}",
       "--max-frame-bytes",
-      "#{setting.(:max_frame_bytes, 320 * 1024 * 1024)}",
+      "#{setting.(:max_frame_bytes)}",
       "--detect-non-finite",
-      "#{Keyword.get(setting.(:debug, []), :detect_non_finite, false) == true}",
+      "#{Keyword.get(setting.(:debug), :detect_non_finite, false) == true}",
       "--shared-memory",
-      "#{setting.(:shared_memory, true) != false}"
+      "#{setting.(:shared_memory) != false}"
     ]
 
     path = Keyword.get(opts, :worker_path) || worker_path()
@@ -122,9 +135,9 @@ defmodule Moat.Worker do
         {:args, args}
       ])
 
-    with {:ok, info} <- await_hello(port, Keyword.get(opts, :hello_timeout, 15_000)) do
+    with {:ok, info} <- await_hello(port, setting.(:hello_timeout)) do
       warn_without_finalizer()
-      {:ok, releaser} = Releaser.start_link(gc_nudge: setting.(:gc_nudge, 1_000))
+      {:ok, releaser} = Releaser.start_link(gc_nudge: setting.(:gc_nudge))
 
       conn = %Client{
         name: name,
@@ -134,10 +147,10 @@ defmodule Moat.Worker do
         table: :ets.new(:moat_calls, [:set, :public, write_concurrency: true]),
         counters: Client.new_counters(),
         releaser: releaser,
-        window: setting.(:window, 1024),
+        window: setting.(:window),
         chunk_bytes: chunk,
         info: info,
-        shared: Shared.negotiate(info, setting.(:shared_memory_threshold, @shared_threshold))
+        shared: Shared.negotiate(info, setting.(:shared_memory_threshold))
       }
 
       Releaser.attach(releaser, &Client.cast(conn, :release, [], &1, nil))
@@ -327,6 +340,13 @@ defmodule Moat.Worker do
     end
 
     state
+  end
+
+  defp setting(opts, env, key) do
+    case Keyword.fetch(opts, key) do
+      {:ok, value} -> value
+      :error -> Keyword.get_lazy(env, key, fn -> Keyword.fetch!(@defaults, key) end)
+    end
   end
 
   @doc false

@@ -47,7 +47,7 @@ fn size(array: &Array) -> Result<(), String> {
 }
 
 fn finite(array: &Array) -> Result<(), String> {
-    if !array.dtype().is_float() || array.size() == 0 {
+    if !array.dtype().is_inexact() || array.size() == 0 {
         return Ok(());
     }
     let all: Vec<i32> = (0..array.shape().len() as i32).collect();

@@ -1,5 +1,8 @@
 //! The few OS calls the worker needs: inherited pipes, parent-death signal,
-//! immediate exit. Like `mlx::ffi`, this is FFI; nothing else is `unsafe`.
+//! immediate exit. Like `mlx::ffi`, this is FFI. Elsewhere `unsafe` appears
+//! only in `mlx` (its safe wrappers over the shim) and where `ops` calls an
+//! `mlx::ops` function whose `# Safety` contract (indices in range, strides
+//! inside the buffer) it has checked.
 
 use std::ffi::CStr;
 use std::fs::File;

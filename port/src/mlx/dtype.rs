@@ -81,7 +81,34 @@ impl Dtype {
         })
     }
 
+    // The type predicates, all here (the builders' short forms in
+    // `ops::convert` and `ops::compose` call these).
+
+    /// Nx's float kinds, `f` and `bf` (complex is not one of them).
     pub fn is_float(self) -> bool {
-        matches!(self, Dtype::F16 | Dtype::F32 | Dtype::F64 | Dtype::Bf16 | Dtype::C64)
+        matches!(self, Dtype::F16 | Dtype::F32 | Dtype::F64 | Dtype::Bf16)
+    }
+
+    pub fn is_complex(self) -> bool {
+        self == Dtype::C64
+    }
+
+    /// A float or a complex type: values that are not exact integers.
+    pub fn is_inexact(self) -> bool {
+        self.is_float() || self.is_complex()
+    }
+
+    /// An integer type, or bool.
+    pub fn is_integer(self) -> bool {
+        !self.is_inexact()
+    }
+
+    /// An unsigned integer type, or bool.
+    pub fn is_unsigned(self) -> bool {
+        matches!(self, Dtype::Bool | Dtype::U8 | Dtype::U16 | Dtype::U32 | Dtype::U64)
+    }
+
+    pub fn is_signed(self) -> bool {
+        matches!(self, Dtype::S8 | Dtype::S16 | Dtype::S32 | Dtype::S64)
     }
 }

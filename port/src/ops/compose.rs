@@ -26,7 +26,7 @@ pub fn unsigned(dtype: Dtype) -> Dtype {
 }
 
 pub fn is_signed(dtype: Dtype) -> bool {
-    matches!(dtype, Dtype::S8 | Dtype::S16 | Dtype::S32 | Dtype::S64)
+    dtype.is_signed()
 }
 
 /// Product of dimensions, saturating at `i64::MAX`.

@@ -4,15 +4,15 @@
 use crate::mlx::{ops, Array, Dtype, Result};
 
 pub fn is_complex(d: Dtype) -> bool {
-    d == Dtype::C64
+    d.is_complex()
 }
 
 pub fn is_unsigned(d: Dtype) -> bool {
-    matches!(d, Dtype::Bool | Dtype::U8 | Dtype::U16 | Dtype::U32 | Dtype::U64)
+    d.is_unsigned()
 }
 
 pub fn is_integer(d: Dtype) -> bool {
-    !d.is_float()
+    d.is_integer()
 }
 
 pub fn bits(d: Dtype) -> i64 {
@@ -78,7 +78,7 @@ pub fn cast(x: &Array, to: Dtype) -> Result<Array> {
     if is_complex(from) && !is_complex(to) {
         return cast(&ops::real(x)?, to);
     }
-    if !from.is_float() || to.is_float() {
+    if !from.is_inexact() || to.is_inexact() {
         return ops::astype(x, to);
     }
     float_to_int(x, to)

@@ -39,7 +39,7 @@ pub fn iota(_: &[&Array], a: &Term) -> Outputs {
     };
     let count = |n: i64| -> Result<Array> {
         // Counted in 64 bits, then converted (wrapping like Nx for narrow types).
-        let wide = if t.is_float() { Dtype::F64 } else { Dtype::S64 };
+        let wide = if t.is_inexact() { Dtype::F64 } else { Dtype::S64 };
         ops::astype(&ops::arange(0.0, n as f64, 1.0, wide)?, t)
     };
     let result = match axis {

@@ -157,7 +157,7 @@ fn round_half_away(x: &Array) -> Result<Array> {
 /// The sign, NaN for NaN (MLX gives 0).
 pub fn sign(x: &[&Array], a: &Term) -> Outputs {
     let t = to_out_type(x[0], a)?;
-    if !t.dtype().is_float() || is_complex(t.dtype()) {
+    if !t.dtype().is_float() {
         return finish(ops::sign(&t), a);
     }
     finish(ops::isnan(&t).and_then(|nan| ops::where_(&nan, &t, &ops::sign(&t)?)), a)

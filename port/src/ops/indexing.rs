@@ -254,7 +254,7 @@ struct Bounds {
 /// values beyond i64 read as i64::MAX, which no axis can hold.
 fn bounds(indices: &Array, per_column: bool) -> Result<Option<Bounds>, String> {
     let dtype = indices.dtype();
-    if dtype.is_float() || dtype == Dtype::Bool {
+    if dtype.is_inexact() || dtype == Dtype::Bool {
         return Err(format!("indices must be integers, got {:?}", dtype.nx()));
     }
     if indices.size() == 0 {

@@ -91,7 +91,7 @@ fn arg_extreme(x: &Array, a: &Term, reduce: ArgReduce) -> Outputs {
         } else {
             ops::astype(&reduce(&x, axis, true)?, Dtype::S64)?
         };
-        let index = if x.dtype().is_float() && !is_complex(x.dtype()) {
+        let index = if x.dtype().is_float() {
             let nan = ops::isnan(&x)?;
             let last_nan = last_index(&ops::astype(&nan, Dtype::U8)?, axis, ops::argmax)?;
             ops::where_(&ops::any(&nan, &[axis], true)?, &last_nan, &index)?

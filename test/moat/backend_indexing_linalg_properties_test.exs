@@ -1,4 +1,4 @@
-defmodule Moat.BackendBPropertiesTest do
+defmodule Moat.BackendIndexingLinalgPropertiesTest do
   # Moat.Backend against Nx.BinaryBackend on random shapes, types and values
   # for indexing, dot/conv, linear algebra, windows, FFT and integer
   # division. Seeded (see Moat.Gen): a failure prints the command that

@@ -23,7 +23,7 @@ defmodule Moat.MixProject do
 
   def application do
     [
-      extra_applications: [:logger],
+      extra_applications: [:logger, :crypto],
       mod: {Moat.Application, []},
       env: [
         worker_log_level: :warning,

@@ -359,12 +359,14 @@ defmodule Moat.Client do
     end
   end
 
-  defp remote_node(%Ref{owner: owner}) do
+  defp remote_node(%Ref{owner: owner}) when is_pid(owner) do
     case node(owner) do
       node when node == node() or node == :nonode@nohost -> nil
       node -> node
     end
   end
+
+  defp remote_node(%Ref{}), do: nil
 
   # Copies a tensor of another node's worker into this connection's worker:
   # the copy's handle, made before its upload as every handle is.

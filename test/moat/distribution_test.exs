@@ -72,12 +72,15 @@ defmodule Moat.DistributionTest do
 
       # Handles elsewhere do not keep a tensor alive: until node a's release
       # reaches its worker, reads still see the tensor, then they raise.
-      eventually(fn ->
-        case Peer.call(b, Peer, :read, [dropped]) do
-          {:ok, [4, 5]} -> false
-          {:raised, :foreign_tensor, message} -> message =~ "unknown tensor id"
-        end
-      end)
+      eventually(
+        fn ->
+          case Peer.call(b, Peer, :read, [dropped]) do
+            {:ok, [4, 5]} -> false
+            {:raised, :foreign_tensor, message} -> message =~ "unknown tensor id"
+          end
+        end,
+        10_000
+      )
 
       assert Peer.call(b, Peer, :read, [kept]) == {:ok, [6, 7]}
       :peer.stop(pa)

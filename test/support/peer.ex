@@ -102,14 +102,35 @@ defmodule Moat.Peer do
         tensors = Enum.map(values_list, &Nx.tensor(&1, type: :s32))
         Enum.each(tensors, &Nx.to_binary/1)
         send(caller, {:held, self(), tensors})
-
+        # Used after the wait, so that the holder's garbage collections
+        # (the releaser nudges idle creators) leave them alone.
         receive do
-          :drop -> :ok
+          :drop -> tensors
         end
       end)
 
     receive do
       {:held, ^holder, tensors} -> {holder, tensors}
+    end
+  end
+
+  @doc "Like `hold/1`, for an s32 iota of `n` elements (evaluated)."
+  def hold_iota(n) do
+    caller = self()
+
+    holder =
+      spawn(fn ->
+        t = Nx.iota({n}, type: :s32)
+        Nx.to_binary(t)
+        send(caller, {:held, self(), t})
+
+        receive do
+          :drop -> t
+        end
+      end)
+
+    receive do
+      {:held, ^holder, t} -> {holder, t}
     end
   end
 
@@ -123,7 +144,7 @@ defmodule Moat.Peer do
         send(caller, {:held, self(), failed})
 
         receive do
-          :drop -> :ok
+          :drop -> failed
         end
       end)
 

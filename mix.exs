@@ -23,7 +23,7 @@ defmodule Moat.MixProject do
 
   def application do
     [
-      extra_applications: [:logger],
+      extra_applications: [:logger, :crypto],
       # No `env:` defaults here: each setting's default is written once, in
       # the module that reads it (Moat.Worker's @defaults, Moat.Backend's
       # fallback policy); `config :moat, ...` overrides them.

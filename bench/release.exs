@@ -31,7 +31,15 @@ defmodule Bench do
   def ms(x), do: :erlang.float_to_binary(x / 1000, decimals: 2) <> " ms"
 
   def alive?(conn, id) do
-    Moat.shape(%Ref{worker: conn.name, generation: conn.generation, id: id, token: nil})
+    Moat.shape(%Ref{
+      worker: conn.name,
+      generation: conn.generation,
+      incarnation: conn.incarnation,
+      owner: conn.owner,
+      id: id,
+      token: nil
+    })
+
     true
   rescue
     Moat.Error -> false
@@ -46,7 +54,19 @@ f32 = fn v -> <<v::float-32-native>> end
 # so that the worker sees none of them.
 sink = spawn(fn -> Stream.repeatedly(fn -> receive(do: (_ -> :ok)) end) |> Stream.run() end)
 id = Client.new_id()
-bare = Bench.per_call(10_000, fn -> %Ref{worker: conn.name, generation: conn.generation, id: id, token: nil} end)
+
+bare =
+  Bench.per_call(10_000, fn ->
+    %Ref{
+      worker: conn.name,
+      generation: conn.generation,
+      incarnation: conn.incarnation,
+      owner: conn.owner,
+      id: id,
+      token: nil
+    }
+  end)
+
 ref = Bench.per_call(10_000, fn -> Client.ref(%{conn | releaser: sink}, id) end)
 
 # Making a token, and the collection that frees it (its destructor sends).

@@ -65,6 +65,11 @@ defmodule Moat do
   `:erlang.garbage_collect/0` frees what it collects at the releaser's next
   batch.
 
+  **Across nodes.** A handle on another node (sent in a message) does not
+  hold its tensor: its own node's copies decide when it is freed. That
+  node's worker serves it to others while it lives (see `Moat.Backend`,
+  "Across nodes"); `deallocate/1` of such a handle releases it there.
+
   **Without the NIF** (no C compiler when Moat was built, or
   `MOAT_FINALIZER=off`), a warning is logged once and only `scope/1`,
   `deallocate/1` and worker restarts free tensors; everything else works.
@@ -94,7 +99,8 @@ defmodule Moat do
 
     * `[:moat, :to_binary, :start | :stop | :exception]` — metadata `:worker`;
       `:stop` adds `:shape`, `:dtype`, `:byte_size` and `:transfer`
-      (`:pipe` or `:shared_memory`, see `Moat.Worker`'s `:shared_memory`)
+      (`:pipe` or `:shared_memory`, see `Moat.Worker`'s `:shared_memory`;
+      `:distribution` for a tensor of another node's worker)
     * `[:moat, :eval, :start | :stop | :exception]` — metadata `:worker`, `:count`
     * `[:moat, :memory, :stats]` — on every `memory_info/1`; measurements
       `:active`, `:peak`, `:cache` (bytes) and `:tensors`; metadata `:worker`
@@ -171,7 +177,10 @@ defmodule Moat do
     ref
   end
 
-  @doc "Evaluates the tensor and returns its bytes."
+  @doc """
+  Evaluates the tensor and returns its bytes (from the node whose worker
+  holds it, where that is another node).
+  """
   @spec to_binary(Ref.t()) :: binary()
   def to_binary(%Ref{worker: worker} = ref) do
     :telemetry.span([:moat, :to_binary], %{worker: worker}, fn ->

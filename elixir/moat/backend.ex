@@ -15,6 +15,26 @@ defmodule Moat.Backend do
   backends or other workers that meet a Moat tensor in an op are copied into
   its worker first.
 
+  ## Across nodes
+
+  A tensor belongs to one worker incarnation (one start of one worker, on
+  one node; see `Moat.Ref`), checked on every use. A Moat tensor that
+  reaches another node (in a message, or through `Nx.Serving`'s
+  `{:distributed, name}` mode) is copied there at the boundary: each op
+  that meets it fetches its bytes from its own node and uploads them to
+  this node's worker (`Nx.backend_transfer(t, Moat.Backend)` does it once
+  and releases the original), and `Nx.to_binary/1` reads it from its node.
+  Copies of a handle on other nodes do not keep the tensor alive: once its
+  own node has dropped it, using them raises a `Moat.Error` with reason
+  `:foreign_tensor`, and `:worker_unreachable` where that node cannot be
+  reached. A distributed `Nx.Serving` receives Moat inputs as they are,
+  but the results it sends back are dropped on its node as soon as they
+  are sent: give it `Nx.Serving.distributed_postprocessing(serving,
+  &Nx.backend_transfer(&1, Nx.BinaryBackend))`, as Nx's documentation says
+  for EXLA and Torchx. A handle read back with `:erlang.binary_to_term/1`
+  in a later VM raises `:foreign_tensor`; it never reads the new worker's
+  tensors.
+
   A tensor's data is freed in the worker once no process holds the tensor
   any more (see `Moat`, "Memory"), or at once with `Nx.backend_deallocate/1`
   (`:ok`, then `:already_deallocated`) or `Moat.scope/1`. The worker refuses
@@ -235,7 +255,7 @@ defmodule Moat.Backend do
 
   @impl true
   def backend_copy(%T{} = tensor, __MODULE__, opts) do
-    if worker(opts) == ref(tensor).worker do
+    if here?(tensor, opts) do
       # MLX arrays are immutable: the copy is a new id for the same array.
       op(tensor, :copy, [tensor], %{})
     else
@@ -247,9 +267,10 @@ defmodule Moat.Backend do
     backend.from_binary(tensor, Moat.to_binary(ref(tensor)), opts)
   end
 
+  # A tensor of another node's worker is copied into this node's, once.
   @impl true
   def backend_transfer(tensor, __MODULE__, opts) do
-    if worker(opts) == ref(tensor).worker do
+    if here?(tensor, opts) do
       tensor
     else
       transfer(tensor, __MODULE__, opts)
@@ -723,6 +744,13 @@ defmodule Moat.Backend do
 
   defp ref(%T{data: %other{}}) do
     raise ArgumentError, "expected a Moat.Backend tensor, got one on #{inspect(other)}"
+  end
+
+  # Whether the tensor is in the worker `opts` names on this node (a stale
+  # one counts: using it raises).
+  defp here?(tensor, opts) do
+    ref = ref(tensor)
+    worker(opts) == ref.worker and not match?({:remote, _}, Client.locate(ref))
   end
 
   # Sends one graph-building op and returns `out` bound to its result.

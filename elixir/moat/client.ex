@@ -17,7 +17,11 @@ defmodule Moat.Client do
 
   Handles are made here (`ref/2`) so that each carries the token that frees
   its tensor once the VM has garbage-collected the handle (see `Moat`,
-  "Memory").
+  "Memory"), and the connection's incarnation: a random number drawn when
+  the worker started, which every use checks (`ids!/3`), so that a handle
+  from another node, another VM or an earlier worker never names this
+  worker's tensors. A handle whose worker runs on another connected node is
+  copied into this one at the boundary (see `Moat.Ref`).
 
   Large tensors skip the pipe where the worker runs on this host and offers
   shared memory (`upload/5`, `to_binary/2`; see `Moat.Worker`'s
@@ -28,13 +32,27 @@ defmodule Moat.Client do
 
   alias Moat.{Error, Finalizer, Protocol, Ref, Releaser, Shared}
 
-  @enforce_keys [:name, :port, :generation, :owner, :table, :counters, :releaser]
-  defstruct [:name, :port, :generation, :owner, :table, :counters, :releaser, :window, :chunk_bytes, :info, :shared]
+  @enforce_keys [:name, :port, :generation, :incarnation, :owner, :table, :counters, :releaser]
+  defstruct [
+    :name,
+    :port,
+    :generation,
+    :incarnation,
+    :owner,
+    :table,
+    :counters,
+    :releaser,
+    :window,
+    :chunk_bytes,
+    :info,
+    :shared
+  ]
 
   @type t :: %__MODULE__{
           name: atom(),
           port: port(),
           generation: pos_integer(),
+          incarnation: non_neg_integer(),
           owner: pid(),
           table: :ets.tid(),
           counters: :atomics.atomics_ref(),
@@ -80,11 +98,23 @@ defmodule Moat.Client do
   end
 
   @doc false
-  def publish(%__MODULE__{name: name, generation: g} = conn) do
+  def publish(%__MODULE__{name: name, generation: g, incarnation: inc} = conn) do
     # The generation outlives the connection, so that handles of a worker
-    # stopped and started again stay stale.
+    # stopped and started again stay stale; so does the record of each
+    # incarnation this VM started (a few words per start), which tells a
+    # stale handle from one of another VM.
     :persistent_term.put({__MODULE__, name, :generation}, g)
+    :persistent_term.put({__MODULE__, :incarnation, inc}, name)
     :persistent_term.put({__MODULE__, name}, conn)
+  end
+
+  @doc false
+  # A fresh worker incarnation: random, so that no other VM (on this host
+  # or elsewhere, before or after this one) draws the same; 59 bits keep it
+  # an immediate integer, which `ids!/3` matches in one comparison.
+  def new_incarnation do
+    <<n::59, _::5>> = :crypto.strong_rand_bytes(8)
+    n
   end
 
   @doc false
@@ -112,11 +142,11 @@ defmodule Moat.Client do
   sends them all (releasing an id the worker does not know is harmless).
   """
   @spec ref(t(), pos_integer()) :: Ref.t()
-  def ref(%__MODULE__{name: name, generation: g, releaser: releaser} = conn, id) do
+  def ref(%__MODULE__{name: name, generation: g, incarnation: inc, owner: owner, releaser: releaser} = conn, id) do
     announce_creator(name, releaser)
     collect_under_pressure(conn)
-    Moat.Scope.record(name, g, id)
-    %Ref{worker: name, generation: g, id: id, token: Finalizer.new(releaser, id)}
+    Moat.Scope.record(name, inc, id)
+    %Ref{worker: name, generation: g, incarnation: inc, owner: owner, id: id, token: Finalizer.new(releaser, id)}
   end
 
   # After the worker reports memory pressure, the next handle a process makes
@@ -146,12 +176,14 @@ defmodule Moat.Client do
   @doc """
   Releases a handle's tensor now: `:ok`, or `:already_deallocated` when it
   was released before (or its worker restarted since). The id travels with
-  others in the worker's next `:release` frame.
+  others in the worker's next `:release` frame. A handle whose worker runs
+  on another node is released there; `:already_deallocated` when that node
+  cannot be reached.
   """
   @spec release(Ref.t()) :: :ok | :already_deallocated
-  def release(%Ref{worker: name, generation: g, id: id, token: token}) do
+  def release(%Ref{worker: name, incarnation: inc, id: id, token: token} = ref) do
     case :persistent_term.get({__MODULE__, name}, nil) do
-      %__MODULE__{generation: ^g, releaser: releaser} ->
+      %__MODULE__{incarnation: ^inc, releaser: releaser} ->
         if take(token) do
           send(releaser, {:moat_release, id})
           :ok
@@ -160,8 +192,19 @@ defmodule Moat.Client do
         end
 
       _ ->
-        take(token)
-        :already_deallocated
+        release_elsewhere(ref, remote_node(ref))
+    end
+  end
+
+  defp release_elsewhere(%Ref{token: token}, nil) do
+    take(token)
+    :already_deallocated
+  end
+
+  defp release_elsewhere(ref, node) do
+    case on_owner(node, :release, [ref]) do
+      {:ok, result} when result in [:ok, :already_deallocated] -> result
+      _ -> :already_deallocated
     end
   end
 
@@ -183,12 +226,13 @@ defmodule Moat.Client do
   end
 
   @doc false
-  # Releases ids of (worker, generation) without their handles (Moat.scope/1),
-  # and returns once their frame is written: the caller's next frame comes
-  # after it, so a released tensor is gone for whatever the caller does next.
-  def release_ids(name, g, ids) do
+  # Releases ids of (worker, incarnation) without their handles
+  # (Moat.scope/1), and returns once their frame is written: the caller's
+  # next frame comes after it, so a released tensor is gone for whatever the
+  # caller does next.
+  def release_ids(name, inc, ids) do
     case :persistent_term.get({__MODULE__, name}, nil) do
-      %__MODULE__{generation: ^g, releaser: releaser} ->
+      %__MODULE__{incarnation: ^inc, releaser: releaser} ->
         send(releaser, {:moat_release_ids, ids})
         Releaser.flush(releaser)
 
@@ -200,40 +244,204 @@ defmodule Moat.Client do
   end
 
   @doc """
-  The ids of handles, after checking they belong to this connection's
-  worker (else `ArgumentError`) and generation (else `Moat.Error`, reason
-  `:stale_generation`), before anything is sent.
+  The ids of handles in this connection's worker, checked before anything
+  is sent. A handle of this worker incarnation gives its id (or raises
+  `Moat.Error`, reason `:deallocated`). Any other handle:
 
-  The handles stay reachable until this process's next frame is written, so
-  a garbage collection while `cast/6` waits for the window cannot release
-  them before the frame that reads them.
+    * of a worker running on another node: its tensor is fetched from there
+      and uploaded here, and the copy's id is given (`Moat.Error`,
+      `:worker_unreachable` or `:foreign_tensor`, when that fails);
+    * of another worker of this VM: `ArgumentError`;
+    * of an earlier incarnation of this worker: `Moat.Error`,
+      `:stale_generation`;
+    * of an incarnation this VM never ran (a handle from another VM, read
+      back with `:erlang.binary_to_term/1`): `Moat.Error`, `:foreign_tensor`.
+
+  The handles (and copies) stay reachable until this process's next frame
+  is written, so a garbage collection while `cast/6` waits for the window
+  cannot release them before the frame that reads them.
   """
   @spec ids!(t(), [Ref.t()], atom()) :: [pos_integer()]
-  def ids!(%__MODULE__{name: name, generation: g} = conn, refs, op) do
+  def ids!(%__MODULE__{incarnation: inc} = conn, refs, op) do
     Process.put(@pinned, refs)
+    local_ids(refs, inc, op) || copied_ids!(conn, refs, op)
+  end
 
-    Enum.map(refs, fn
-      %Ref{worker: ^name, generation: ^g, id: id, token: token} ->
-        if token != nil and released?(token) do
-          raise Error.new(:deallocated, op, "tensor #{id} was deallocated (Nx.backend_deallocate/1 or Moat.scope/1)")
-        end
+  # The common case, every handle of this incarnation: their ids, or nil.
+  defp local_ids([%Ref{incarnation: inc, id: id, token: token} | rest], inc, op) do
+    deallocated?(token, id, op)
 
-        id
+    case local_ids(rest, inc, op) do
+      nil -> nil
+      ids -> [id | ids]
+    end
+  end
 
-      %Ref{worker: other, id: id} when other != name ->
+  defp local_ids([], _inc, _op), do: []
+  defp local_ids(_refs, _inc, _op), do: nil
+
+  # Uploading a copy writes frames, which unpins: the handles are pinned
+  # again, with the copies, once every copy is made.
+  defp copied_ids!(%__MODULE__{incarnation: inc} = conn, refs, op) do
+    {ids, copies} =
+      Enum.map_reduce(refs, [], fn
+        %Ref{incarnation: ^inc, id: id, token: token}, copies ->
+          deallocated?(token, id, op)
+          {id, copies}
+
+        ref, copies ->
+          copy = not_here!(conn, ref, op)
+          {copy.id, [copy | copies]}
+      end)
+
+    Process.put(@pinned, [copies | refs])
+    ids
+  end
+
+  defp deallocated?(nil, _id, _op), do: false
+
+  defp deallocated?(token, id, op) do
+    if released?(token) do
+      raise Error.new(:deallocated, op, "tensor #{id} was deallocated (Nx.backend_deallocate/1 or Moat.scope/1)")
+    end
+
+    false
+  end
+
+  defp not_here!(conn, %Ref{worker: worker, generation: old, id: id} = ref, op) do
+    case locate(ref) do
+      {:remote, node} ->
+        import!(conn, ref, node, op)
+
+      :unknown ->
+        raise Error.new(
+                :foreign_tensor,
+                op,
+                "tensor #{id} belongs to a worker incarnation this VM never ran (a handle from another " <>
+                  "VM, such as one read back with :erlang.binary_to_term/1); its data is not here"
+              )
+
+      _local when worker != conn.name ->
         raise ArgumentError,
-              "#{op}: tensor #{id} belongs to worker #{inspect(other)}, but this call runs on " <>
-                "#{inspect(name)}; every tensor of a call must be on its worker (copy it over " <>
+              "#{op}: tensor #{id} belongs to worker #{inspect(worker)}, but this call runs on " <>
+                "#{inspect(conn.name)}; every tensor of a call must be on its worker (copy it over " <>
                 "with Nx.backend_copy/2, or Moat.to_binary/1 and Moat.from_binary/4)"
 
-      %Ref{generation: old} ->
+      _local ->
         raise Error.new(
                 :stale_generation,
                 op,
-                "tensor belongs to worker generation #{old}, but #{inspect(conn.name)} " <>
-                  "restarted and is now generation #{g}; its data is gone"
+                "tensor belongs to worker generation #{old}, but #{inspect(worker)} " <>
+                  "restarted and is now generation #{last_generation(worker)}; its data is gone"
               )
-    end)
+    end
+  end
+
+  @doc false
+  # Where a handle's tensor is: {:remote, node} (a worker of another node),
+  # :current (a running worker of this VM), :stale (an earlier incarnation
+  # of one) or :unknown (an incarnation this VM never ran). A pid made
+  # before this VM became a distributed node names the new node; one read
+  # back from a VM that was not distributed names :nonode@nohost, which no
+  # node can reach.
+  @spec locate(Ref.t()) :: {:remote, node()} | :current | :stale | :unknown
+  def locate(%Ref{worker: name, incarnation: inc} = ref) do
+    case remote_node(ref) do
+      nil ->
+        cond do
+          :persistent_term.get({__MODULE__, :incarnation, inc}, nil) != name -> :unknown
+          match?(%__MODULE__{incarnation: ^inc}, :persistent_term.get({__MODULE__, name}, nil)) -> :current
+          true -> :stale
+        end
+
+      node ->
+        {:remote, node}
+    end
+  end
+
+  defp remote_node(%Ref{owner: owner}) when is_pid(owner) do
+    case node(owner) do
+      node when node == node() or node == :nonode@nohost -> nil
+      node -> node
+    end
+  end
+
+  defp remote_node(%Ref{}), do: nil
+
+  # Copies a tensor of another node's worker into this connection's worker:
+  # the copy's handle, made before its upload as every handle is.
+  defp import!(conn, ref, node, op) do
+    case fetch(ref, node, op) do
+      {:ok, %{shape: shape, dtype: type}, data} ->
+        id = new_id()
+        copy = ref(conn, id)
+        upload(conn, id, data, shape, type)
+        copy
+
+      {:error, e} ->
+        raise e
+    end
+  end
+
+  # A tensor's bytes and metadata, from the node whose worker holds it.
+  defp fetch(%Ref{id: id} = ref, node, op) do
+    case on_owner(node, :export, [ref]) do
+      {:ok, {:ok, meta, data}} ->
+        {:ok, Map.put(meta, :transfer, :distribution), data}
+
+      {:ok, {:error, %Error{} = e}} ->
+        if gone?(e) do
+          {:error,
+           Error.new(
+             :foreign_tensor,
+             op,
+             "tensor #{id} lives in a worker of node #{node}, which cannot send it: #{e.message} " <>
+               "(handles on other nodes do not keep a tensor alive: its own node must hold it while they use it)"
+           )}
+        else
+          # The tensor's own failure (an op of it failed there), as it would
+          # raise on its node.
+          {:error, %{e | message: "#{e.message} (tensor #{id}, of node #{node})"}}
+        end
+
+      {:error, why} ->
+        {:error, Error.new(:worker_unreachable, op, "tensor #{id} lives in a worker of node #{node}: #{why}")}
+    end
+  end
+
+  # Whether the owner's answer means the tensor's data is not there (as
+  # opposed to an op of it that failed).
+  defp gone?(%Error{reason: :op_failed, message: message}), do: message =~ "unknown tensor id"
+  defp gone?(%Error{reason: reason}), do: reason != :timeout
+
+  @doc false
+  # On the node whose worker holds the tensor, for another node that met
+  # its handle: `to_binary/1`'s answer, never an exception.
+  def export(%Ref{} = ref) do
+    case locate(ref) do
+      :current ->
+        to_binary(ref)
+
+      _ ->
+        {:error, Error.new(:foreign_tensor, nil, "its worker incarnation is not running there any more")}
+    end
+  rescue
+    e in Error -> {:error, e}
+  end
+
+  # Runs a function of this module on the node that holds a handle's
+  # tensor: {:ok, result}, or {:error, why} where that node cannot be asked.
+  defp on_owner(node, fun, args) do
+    {:ok, :erpc.call(node, __MODULE__, fun, args)}
+  catch
+    :error, {:erpc, :noconnection} ->
+      {:error, "that node is not connected (or not reachable from this one)"}
+
+    :error, {:exception, :undef, [{__MODULE__, ^fun, _, _} | _]} ->
+      {:error, "that node does not run this version of Moat"}
+
+    kind, reason ->
+      {:error, "asking that node failed: #{Exception.format_banner(kind, reason)}"}
   end
 
   @doc "Sends a fire-and-forget op (no reply; failures poison `outs`)."
@@ -326,16 +534,23 @@ defmodule Moat.Client do
   reply's metadata. Where the connection has shared memory, a tensor of at
   least its threshold of bytes is read straight from the worker's memory
   (the metadata says `transfer: :shared_memory`), and the worker holds it
-  (as a pin, an id of its own) only until then.
+  (as a pin, an id of its own) only until then. A tensor of another node's
+  worker comes from that node (`transfer: :distribution`).
   """
   @spec to_binary(Ref.t()) :: {:ok, map(), binary()} | {:error, Error.t()}
   def to_binary(%Ref{worker: name} = ref) do
-    conn = conn(name)
-    [id] = ids!(conn, [ref], :to_binary)
+    case remote_node(ref) do
+      nil ->
+        conn = conn(name)
+        [id] = ids!(conn, [ref], :to_binary)
 
-    case conn.shared do
-      nil -> call(conn, :to_binary, [id], nil)
-      shared -> to_binary_shared(conn, shared, ref, id)
+        case conn.shared do
+          nil -> call(conn, :to_binary, [id], nil)
+          shared -> to_binary_shared(conn, shared, ref, id)
+        end
+
+      node ->
+        fetch(ref, node, :to_binary)
     end
   end
 

@@ -10,6 +10,16 @@ defmodule Moat.Error do
       (`:op` is the call; the message says how it died).
     * `:stale_generation` — the tensor belongs to a worker that has since been
       restarted; its data is gone.
+    * `:foreign_tensor` — the tensor belongs to a worker incarnation whose
+      data cannot be had here: one this VM never ran (a handle read back
+      with `:erlang.binary_to_term/1` in a later VM, or from a VM that was
+      not a distributed node), or one of another node that no longer holds
+      it (handles on other nodes do not keep a tensor alive) or whose
+      worker restarted. Raised before anything is sent; nothing else's data
+      is ever read in its place.
+    * `:worker_unreachable` — the tensor belongs to a worker of another node,
+      and that node cannot be asked for it (not connected, or not running
+      Moat).
     * `:deallocated` — the tensor was released with `Nx.backend_deallocate/1`
       (or `Moat.deallocate/1`); raised before anything is sent. A tensor a
       `Moat.scope/1` released is gone from the worker: using it fails with
@@ -27,7 +37,14 @@ defmodule Moat.Error do
   """
 
   @type reason ::
-          :op_failed | :worker_died | :stale_generation | :deallocated | :worker_unavailable | :timeout
+          :op_failed
+          | :worker_died
+          | :stale_generation
+          | :foreign_tensor
+          | :worker_unreachable
+          | :deallocated
+          | :worker_unavailable
+          | :timeout
 
   @type kind :: :invalid | :mlx | :memory_limit | :stale_generation | :protocol | :system | nil
 

@@ -1,7 +1,7 @@
 defmodule Moat.Scope do
   @moduledoc false
   # `Moat.scope/1`: the ids created by this process inside a scope, kept in
-  # the process dictionary as {worker, generation, id} (not the handles, so
+  # the process dictionary as {worker, incarnation, id} (not the handles, so
   # that garbage inside a long scope is still released automatically). The
   # handles' tokens are not marked, so an id a scope released may be sent
   # again when its handle is collected; the worker ignores unknown ids.
@@ -14,10 +14,10 @@ defmodule Moat.Scope do
   @key :moat_scope
 
   @doc false
-  def record(worker, generation, id) do
+  def record(worker, incarnation, id) do
     case Process.get(@key) do
       nil -> :ok
-      created -> Process.put(@key, [{worker, generation, id} | created])
+      created -> Process.put(@key, [{worker, incarnation, id} | created])
     end
   end
 
@@ -43,16 +43,17 @@ defmodule Moat.Scope do
   # the enclosing scope, if any.
   defp close(outer, keep, release) do
     created = Process.delete(@key) || []
-    {kept, dropped} = Enum.split_with(created, fn {_, _, id} -> MapSet.member?(keep, id) end)
+    {kept, dropped} = Enum.split_with(created, fn {_, inc, id} -> MapSet.member?(keep, {inc, id}) end)
     if outer, do: Process.put(@key, kept ++ outer)
 
     dropped
-    |> Enum.group_by(fn {worker, g, _} -> {worker, g} end, fn {_, _, id} -> id end)
-    |> Enum.each(fn {{worker, g}, ids} -> release.(worker, g, ids) end)
+    |> Enum.group_by(fn {worker, inc, _} -> {worker, inc} end, fn {_, _, id} -> id end)
+    |> Enum.each(fn {{worker, inc}, ids} -> release.(worker, inc, ids) end)
   end
 
-  # The ids of every handle inside a term (tensors, containers, structs).
-  defp collect(%Ref{id: id}, acc), do: MapSet.put(acc, id)
+  # Every handle inside a term (tensors, containers, structs), as
+  # {incarnation, id}: a handle of another node's worker keeps nothing here.
+  defp collect(%Ref{incarnation: inc, id: id}, acc), do: MapSet.put(acc, {inc, id})
   defp collect(%_{} = struct, acc), do: struct |> Map.from_struct() |> collect(acc)
   defp collect(map, acc) when is_map(map), do: Enum.reduce(map, acc, fn {k, v}, acc -> collect(v, collect(k, acc)) end)
   defp collect([head | tail], acc), do: collect(tail, collect(head, acc))

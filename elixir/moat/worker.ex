@@ -143,6 +143,7 @@ defmodule Moat.Worker do
         name: name,
         port: port,
         generation: generation,
+        incarnation: Client.new_incarnation(),
         owner: self(),
         table: :ets.new(:moat_calls, [:set, :public, write_concurrency: true]),
         counters: Client.new_counters(),

@@ -17,19 +17,17 @@ defmodule Moat.MemoryTest do
 
   defp ref(%Nx.Tensor{data: %Moat.Backend{ref: ref}}), do: ref
 
-  # {worker, generation, id}: names a tensor without holding its handle.
-  defp name(tensor) do
-    %Ref{worker: w, generation: g, id: id} = ref(tensor)
-    {w, g, id}
-  end
+  # Names a tensor without holding its handle (nor a handle: a scope's
+  # result would keep it).
+  defp name(tensor), do: {:name, Map.from_struct(%{ref(tensor) | token: nil})}
 
   # Whether the worker still defines the id, after the releases requested so
   # far have reached it.
-  defp alive?({worker, g, id}) do
+  defp alive?({:name, %{worker: worker} = fields}) do
     Moat.memory_info(worker)
 
     try do
-      Moat.shape(%Ref{worker: worker, generation: g, id: id, token: nil})
+      Moat.shape(struct!(Ref, fields))
       true
     rescue
       e in Error ->

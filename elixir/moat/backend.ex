@@ -385,14 +385,14 @@ defmodule Moat.Backend do
   end
 
   defp reduce_attrs(out, tensor, opts) do
-    %{axes: opts[:axes] || Nx.axes(tensor), keep_axes: opts[:keep_axes] || false, type: out.type}
+    %{axes: opts[:axes] || Nx.axes(tensor), keep_axes: flag(opts[:keep_axes]), type: out.type}
   end
 
   for name <- [:argmax, :argmin] do
     @impl true
     def unquote(name)(out, tensor, opts) do
       axis = opts[:axis]
-      keep = axis != nil and (opts[:keep_axis] || false)
+      keep = axis != nil and flag(opts[:keep_axis])
       attrs = %{axis: axis, tie_break: opts[:tie_break] || :low, keep_axes: keep, type: out.type}
       op(out, unquote(name), [tensor], attrs)
     end
@@ -478,7 +478,7 @@ defmodule Moat.Backend do
     do: via_binary(:triangular_solve, out, [a, b, opts])
 
   def triangular_solve(out, a, b, opts) do
-    attrs = %{left_side: opts[:left_side], lower: opts[:lower], transform_a: opts[:transform_a]}
+    attrs = %{left_side: flag(opts[:left_side]), lower: flag(opts[:lower]), transform_a: opts[:transform_a]}
     op(out, :triangular_solve, [a, b], Map.put(attrs, :type, out.type))
   end
 
@@ -585,12 +585,12 @@ defmodule Moat.Backend do
         do: {:f, 64},
         else: Nx.Type.merge(a.type, b.type)
 
-    attrs = %{input_type: input_type, rtol: o.rtol, atol: o.atol, equal_nan: o.equal_nan, type: out.type}
+    attrs = %{input_type: input_type, rtol: o.rtol, atol: o.atol, equal_nan: flag(o.equal_nan), type: out.type}
     op(out, :all_close, [a, b], attrs)
   end
 
   defp elementwise_block(%block{axis: axis, reverse: reverse}, out, [t]) when is_map_key(@cumulative_blocks, block) do
-    op(out, Map.fetch!(@cumulative_blocks, block), [t], %{axis: axis, reverse: reverse, type: out.type})
+    op(out, Map.fetch!(@cumulative_blocks, block), [t], %{axis: axis, reverse: flag(reverse), type: out.type})
   end
 
   defp elementwise_block(%Nx.Block.TopK{k: k}, {_, indices} = out, [t]) do
@@ -620,7 +620,7 @@ defmodule Moat.Backend do
 
   defp indexing_block(%LinAlg.SVD{full_matrices?: full}, {%T{type: {k, _}} = u, _, _} = out, [t])
        when k != :c,
-       do: multi_op(out, :svd, [t], %{full_matrices: full, type: u.type})
+       do: multi_op(out, :svd, [t], %{full_matrices: flag(full), type: u.type})
 
   defp indexing_block(%LinAlg.LU{}, {p, %T{type: {k, _}} = l, _} = out, [t]) when k != :c,
     do: multi_op(out, :lu, [t], %{p_type: p.type, type: l.type})
@@ -701,6 +701,10 @@ defmodule Moat.Backend do
     do: tuple |> Tuple.to_list() |> Enum.map(&from_binary_backend(&1, opts)) |> List.to_tuple()
 
   ## Plumbing
+
+  # Boolean options mean what they mean to Nx: nil and false are false,
+  # anything else is true (Nx's own helpers pass `equal_nan: nil`).
+  defp flag(value), do: value not in [nil, false]
 
   defp worker(opts), do: Keyword.get(opts, :worker, Moat.Worker)
 

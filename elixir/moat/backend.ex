@@ -267,13 +267,34 @@ defmodule Moat.Backend do
   @impl true
   def backend_deallocate(%T{data: %__MODULE__{ref: %Ref{} = ref}}), do: Moat.deallocate(ref)
 
+  # A stream, as in Nx: each batch is sliced out in the worker when the
+  # stream reaches it. With `leftover: :repeat` the last batch wraps around
+  # to the first rows.
   @impl true
   def to_batched(%T{shape: shape} = out, %T{shape: in_shape} = tensor, opts) do
     {size, n} = {elem(shape, 0), elem(in_shape, 0)}
-    leftover = Keyword.get(opts, :leftover, :repeat)
-    count = div(n, size) + if(rem(n, size) != 0 and leftover == :repeat, do: 1, else: 0)
-    outs = List.to_tuple(List.duplicate(out, count))
-    multi_op(outs, :to_batched, [tensor], %{batch_size: size, leftover: leftover}) |> Tuple.to_list()
+    full = div(n, size)
+    last = if rem(n, size) != 0 and opts[:leftover] == :repeat, do: full, else: full - 1
+
+    Stream.map(0..last//1, fn
+      ^full ->
+        available = n - full * size
+        tail = rows(out, tensor, full * size, available)
+        head = rows(out, tensor, 0, size - available)
+        batch = concatenate(out, [tail, head], 0)
+        Enum.each([tail, head], &backend_deallocate/1)
+        batch
+
+      i ->
+        rows(out, tensor, i * size, size)
+    end)
+  end
+
+  defp rows(%T{shape: shape} = out, tensor, start, count) do
+    rank = tuple_size(shape)
+    lengths = [count | tl(Tuple.to_list(shape))]
+    starts = [start | List.duplicate(0, rank - 1)]
+    slice(%{out | shape: put_elem(shape, 0, count)}, tensor, starts, lengths, List.duplicate(1, rank))
   end
 
   @impl true

@@ -93,7 +93,15 @@ defmodule Moat.Backend do
     * A descending `sort` may order -0.0 and 0.0 differently (they compare
       equal); `argsort` is stable in both directions, as in Nx.
     * Complex functions follow C99 on signed zeros (`sqrt(-4 - 0i)` is
-      `-2i`); BinaryBackend ignores the sign of a zero imaginary part.
+      `-2i`); BinaryBackend ignores the sign of a zero imaginary part. At
+      infinities they follow C99 too where Nx's textbook formulas give NaN
+      or another limit: `tanh(inf + 3i)` is `1 - 0i`, `atan` is `pi/2`,
+      `asinh(inf + 3i)` is `inf + 0i` (Nx: `inf + pi/4 i`), and a complex
+      `product` of `[inf + 3i, -2 + 4i]` is `-inf + inf i` (Nx: NaN). c64
+      `expm1`, `sigmoid` and `atan2` (no MLX kernel) are composed from MLX
+      ops; `cbrt` takes Nx's root (the cube root of the modulus at a third
+      of the phase). A complex `atan2` with a non-zero imaginary part fails
+      the op (Nx raises `ArithmeticError` at the call).
     * `to_pointer/2` and `from_pointer/5` raise `ArgumentError`: tensor data
       lives in the worker process, whose addresses mean nothing to the BEAM
       or to other processes, and a shared-memory IPC segment would outlive
@@ -123,14 +131,24 @@ defmodule Moat.Backend do
       from Nx's iterative algorithms: results agree to rounding (the last
       digits of f32). Eigenvector and singular vector signs are normalised
       (each vector's largest component positive); QR signs follow Nx's
-      Householder convention; in `qr(mode: :complete)` the columns of q past
-      min(m, n) are an orthonormal completion, not necessarily Nx's.
+      Householder convention (r's diagonal is positive in every column Nx
+      reflects) except in a column whose entries below the diagonal become
+      zero only partway through the factorisation: Nx leaves it unreflected,
+      Moat does not (for `[[2, -2, 18], [2, 1, 0], [1, 2, 0]]` Nx's
+      `r[1][1]` is -3, Moat's 3, with q's column 1 negated; `q · r` is the
+      same). In `qr(mode: :complete)` the columns of q past min(m, n), and
+      in `svd` the singular vectors of zero singular values, are an
+      orthonormal completion, not necessarily Nx's.
       `triangular_solve` computes in f64, as Nx.BinaryBackend does.
-    * `cholesky` of a matrix that is not positive definite is NaN from the
-      first non-positive pivot on (MLX's result there is garbage; Nx's
-      algorithm gives NaN from the first negative pivot and huge values after
-      a zero one).
-    * `dot` and `conv` of f16/bf16 accumulate in f32 and round once.
+    * `cholesky` comes from LAPACK; a matrix with a pivot that is not
+      positive is factored again by Nx's own algorithm (the pivots are
+      checked in the worker, which evaluates the factor): a zero pivot gives
+      Nx's result (`[[25, 25], [25, 25]]` is `[[5, 0], [5, 0]]`, and a
+      singular covariance in `Nx.Random.multivariate_normal` gives no NaN), a
+      negative one NaN from there on, where Nx.BinaryBackend raises.
+    * `dot` and `conv` of f16/bf16 accumulate in f32 and round once; f32
+      `dot` accumulates in f32 (BLAS), where Nx.BinaryBackend accumulates
+      in f64 and rounds once (last-digit differences).
 
   ## Fallbacks
 

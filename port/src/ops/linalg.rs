@@ -151,7 +151,11 @@ pub fn triangular_solve(x: &[&Array], a: &Term) -> Outputs {
 
 /// `{q, r}` of Nx.Block.LinAlg.QR, `mode` reduced or complete. Signs follow
 /// Nx's Householder convention: where a column is reflected, r's diagonal
-/// entry is positive.
+/// entry is positive. Which columns Nx reflects is known from the input
+/// (a column already zero below the diagonal is not), except where a
+/// column becomes zero below the diagonal only after earlier reflections:
+/// that depends on Nx's own reflectors, which LAPACK's are not, and such a
+/// column is treated as reflected (a documented divergence).
 pub fn qr(x: &[&Array], a: &Term) -> Outputs {
     let work = work_type(a)?;
     let complete = attrs::atom(attrs::field(a, "mode")?)? == "complete";

@@ -113,7 +113,15 @@ defmodule Moat.Backend do
     * A descending `sort` may order -0.0 and 0.0 differently (they compare
       equal); `argsort` is stable in both directions, as in Nx.
     * Complex functions follow C99 on signed zeros (`sqrt(-4 - 0i)` is
-      `-2i`); BinaryBackend ignores the sign of a zero imaginary part.
+      `-2i`); BinaryBackend ignores the sign of a zero imaginary part. At
+      infinities they follow C99 too where Nx's textbook formulas give NaN
+      or another limit: `tanh(inf + 3i)` is `1 - 0i`, `atan` is `pi/2`,
+      `asinh(inf + 3i)` is `inf + 0i` (Nx: `inf + pi/4 i`), and a complex
+      `product` of `[inf + 3i, -2 + 4i]` is `-inf + inf i` (Nx: NaN). c64
+      `expm1`, `sigmoid` and `atan2` (no MLX kernel) are composed from MLX
+      ops; `cbrt` takes Nx's root (the cube root of the modulus at a third
+      of the phase). A complex `atan2` with a non-zero imaginary part fails
+      the op (Nx raises `ArithmeticError` at the call).
     * `to_pointer/2` and `from_pointer/5` raise `ArgumentError`: tensor data
       lives in the worker process, whose addresses mean nothing to the BEAM
       or to other processes, and a shared-memory IPC segment would outlive
@@ -143,14 +151,24 @@ defmodule Moat.Backend do
       from Nx's iterative algorithms: results agree to rounding (the last
       digits of f32). Eigenvector and singular vector signs are normalised
       (each vector's largest component positive); QR signs follow Nx's
-      Householder convention; in `qr(mode: :complete)` the columns of q past
-      min(m, n) are an orthonormal completion, not necessarily Nx's.
+      Householder convention (r's diagonal is positive in every column Nx
+      reflects) except in a column whose entries below the diagonal become
+      zero only partway through the factorisation: Nx leaves it unreflected,
+      Moat does not (for `[[2, -2, 18], [2, 1, 0], [1, 2, 0]]` Nx's
+      `r[1][1]` is -3, Moat's 3, with q's column 1 negated; `q · r` is the
+      same). In `qr(mode: :complete)` the columns of q past min(m, n), and
+      in `svd` the singular vectors of zero singular values, are an
+      orthonormal completion, not necessarily Nx's.
       `triangular_solve` computes in f64, as Nx.BinaryBackend does.
-    * `cholesky` of a matrix that is not positive definite is NaN from the
-      first non-positive pivot on (MLX's result there is garbage; Nx's
-      algorithm gives NaN from the first negative pivot and huge values after
-      a zero one).
-    * `dot` and `conv` of f16/bf16 accumulate in f32 and round once.
+    * `cholesky` comes from LAPACK; a matrix with a pivot that is not
+      positive is factored again by Nx's own algorithm (the pivots are
+      checked in the worker, which evaluates the factor): a zero pivot gives
+      Nx's result (`[[25, 25], [25, 25]]` is `[[5, 0], [5, 0]]`, and a
+      singular covariance in `Nx.Random.multivariate_normal` gives no NaN), a
+      negative one NaN from there on, where Nx.BinaryBackend raises.
+    * `dot` and `conv` of f16/bf16 accumulate in f32 and round once; f32
+      `dot` accumulates in f32 (BLAS), where Nx.BinaryBackend accumulates
+      in f64 and rounds once (last-digit differences).
 
   ## Fallbacks
 
@@ -288,13 +306,34 @@ defmodule Moat.Backend do
   @impl true
   def backend_deallocate(%T{data: %__MODULE__{ref: %Ref{} = ref}}), do: Moat.deallocate(ref)
 
+  # A stream, as in Nx: each batch is sliced out in the worker when the
+  # stream reaches it. With `leftover: :repeat` the last batch wraps around
+  # to the first rows.
   @impl true
   def to_batched(%T{shape: shape} = out, %T{shape: in_shape} = tensor, opts) do
     {size, n} = {elem(shape, 0), elem(in_shape, 0)}
-    leftover = Keyword.get(opts, :leftover, :repeat)
-    count = div(n, size) + if(rem(n, size) != 0 and leftover == :repeat, do: 1, else: 0)
-    outs = List.to_tuple(List.duplicate(out, count))
-    multi_op(outs, :to_batched, [tensor], %{batch_size: size, leftover: leftover}) |> Tuple.to_list()
+    full = div(n, size)
+    last = if rem(n, size) != 0 and opts[:leftover] == :repeat, do: full, else: full - 1
+
+    Stream.map(0..last//1, fn
+      ^full ->
+        available = n - full * size
+        tail = rows(out, tensor, full * size, available)
+        head = rows(out, tensor, 0, size - available)
+        batch = concatenate(out, [tail, head], 0)
+        Enum.each([tail, head], &backend_deallocate/1)
+        batch
+
+      i ->
+        rows(out, tensor, i * size, size)
+    end)
+  end
+
+  defp rows(%T{shape: shape} = out, tensor, start, count) do
+    rank = tuple_size(shape)
+    lengths = [count | tl(Tuple.to_list(shape))]
+    starts = [start | List.duplicate(0, rank - 1)]
+    slice(%{out | shape: put_elem(shape, 0, count)}, tensor, starts, lengths, List.duplicate(1, rank))
   end
 
   @impl true
@@ -406,14 +445,14 @@ defmodule Moat.Backend do
   end
 
   defp reduce_attrs(out, tensor, opts) do
-    %{axes: opts[:axes] || Nx.axes(tensor), keep_axes: opts[:keep_axes] || false, type: out.type}
+    %{axes: opts[:axes] || Nx.axes(tensor), keep_axes: flag(opts[:keep_axes]), type: out.type}
   end
 
   for name <- [:argmax, :argmin] do
     @impl true
     def unquote(name)(out, tensor, opts) do
       axis = opts[:axis]
-      keep = axis != nil and (opts[:keep_axis] || false)
+      keep = axis != nil and flag(opts[:keep_axis])
       attrs = %{axis: axis, tie_break: opts[:tie_break] || :low, keep_axes: keep, type: out.type}
       op(out, unquote(name), [tensor], attrs)
     end
@@ -499,7 +538,7 @@ defmodule Moat.Backend do
     do: via_binary(:triangular_solve, out, [a, b, opts])
 
   def triangular_solve(out, a, b, opts) do
-    attrs = %{left_side: opts[:left_side], lower: opts[:lower], transform_a: opts[:transform_a]}
+    attrs = %{left_side: flag(opts[:left_side]), lower: flag(opts[:lower]), transform_a: opts[:transform_a]}
     op(out, :triangular_solve, [a, b], Map.put(attrs, :type, out.type))
   end
 
@@ -607,12 +646,12 @@ defmodule Moat.Backend do
         do: {:f, 64},
         else: Nx.Type.merge(a.type, b.type)
 
-    attrs = %{input_type: input_type, rtol: o.rtol, atol: o.atol, equal_nan: o.equal_nan, type: out.type}
+    attrs = %{input_type: input_type, rtol: o.rtol, atol: o.atol, equal_nan: flag(o.equal_nan), type: out.type}
     op(out, :all_close, [a, b], attrs)
   end
 
   defp native_block(%block{axis: axis, reverse: reverse}, out, [t]) when is_map_key(@cumulative_blocks, block) do
-    op(out, Map.fetch!(@cumulative_blocks, block), [t], %{axis: axis, reverse: reverse, type: out.type})
+    op(out, Map.fetch!(@cumulative_blocks, block), [t], %{axis: axis, reverse: flag(reverse), type: out.type})
   end
 
   defp native_block(%Nx.Block.TopK{k: k}, {_, indices} = out, [t]) do
@@ -638,7 +677,7 @@ defmodule Moat.Backend do
 
   defp native_block(%LinAlg.SVD{full_matrices?: full}, {%T{type: {k, _}} = u, _, _} = out, [t])
        when k != :c,
-       do: multi_op(out, :svd, [t], %{full_matrices: full, type: u.type})
+       do: multi_op(out, :svd, [t], %{full_matrices: flag(full), type: u.type})
 
   defp native_block(%LinAlg.LU{}, {p, %T{type: {k, _}} = l, _} = out, [t]) when k != :c,
     do: multi_op(out, :lu, [t], %{p_type: p.type, type: l.type})
@@ -719,6 +758,10 @@ defmodule Moat.Backend do
     do: tuple |> Tuple.to_list() |> Enum.map(&from_binary_backend(&1, opts)) |> List.to_tuple()
 
   ## Plumbing
+
+  # Boolean options mean what they mean to Nx: nil and false are false,
+  # anything else is true (Nx's own helpers pass `equal_nan: nil`).
+  defp flag(value), do: value not in [nil, false]
 
   defp worker(opts), do: Keyword.get(opts, :worker, Moat.Worker)
 

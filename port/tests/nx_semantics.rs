@@ -169,3 +169,28 @@ fn bad_attributes_name_the_op() {
     let (op, _) = error_parts(&w.read(2, 3).unwrap_err());
     assert_eq!(op, "transpose");
 }
+
+#[test]
+fn nil_boolean_attributes_read_as_false() {
+    // Nx passes `equal_nan: nil` (its own test helpers do), and Elixir reads
+    // nil as false.
+    let mut w = Worker::start(&[]);
+    w.upload_f32(1, &[2], &[1.0, f32::NAN]);
+    let close = |equal_nan: Term| {
+        map(vec![
+            ("input_type", ty("f", 32)),
+            ("rtol", Term::Float(1e-5)),
+            ("atol", Term::Float(1e-8)),
+            ("equal_nan", equal_nan),
+            ("type", ty("u", 8)),
+        ])
+    };
+    w.request(0, "all_close", &[2], &[1, 1], close(nil()));
+    w.request(0, "all_close", &[3], &[1, 1], close(Term::atom("true")));
+    assert_eq!(w.read_bytes(1, 2), [0]);
+    assert_eq!(w.read_bytes(2, 3), [1]);
+    w.request(0, "all_close", &[4], &[1, 1], close(Term::int(1)));
+    let (op, message) = error_parts(&w.read(3, 4).unwrap_err());
+    assert_eq!(op, "all_close");
+    assert!(message.contains("expected a boolean, got 1"), "{message}");
+}

@@ -80,10 +80,12 @@ pub fn atom(t: &Term) -> Result<&str, AttrError> {
     t.as_atom().ok_or_else(|| format!("expected an atom, got {t}"))
 }
 
+/// `true`, or `false` or `nil`: Elixir's falsy values, which Nx passes for
+/// options it leaves unset (`equal_nan: nil`).
 pub fn boolean(t: &Term) -> Result<bool, AttrError> {
     match t.as_atom() {
         Some("true") => Ok(true),
-        Some("false") => Ok(false),
+        Some("false" | "nil") => Ok(false),
         _ => Err(format!("expected a boolean, got {t}")),
     }
 }

@@ -76,3 +76,13 @@ pub fn swap_last(x: &Array) -> Result<Array> {
     perm.swap(rank - 2, rank - 1);
     ops::transpose(x, &perm)
 }
+
+/// `re + im * i` as c64, built from the two f32 halves side by side (not
+/// `re + im * i` in complex arithmetic, which turns an infinite part into
+/// NaN + inf i). Both parts have the same shape.
+pub fn complex(re: &Array, im: &Array) -> Result<Array> {
+    let (re, im) = (ops::astype(re, Dtype::F32)?, ops::astype(im, Dtype::F32)?);
+    let shape = re.shape();
+    let pairs = ops::contiguous(&ops::stack(&[&re, &im], -1)?)?;
+    ops::reshape(&ops::view(&pairs, Dtype::C64)?, &shape)
+}

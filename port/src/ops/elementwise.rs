@@ -2,6 +2,7 @@
 //! the output type first, as Nx does; comparisons convert both sides to the
 //! merged input type (attr `input_type`) and yield u8.
 
+use super::compose::complex;
 use super::convert::{bits, float_scalar, int_scalar, is_complex, is_integer, is_unsigned, nonzero, zero, zeros_like};
 use super::{attrs, finish, precise, to_out_type, Outputs};
 use crate::mlx::{ops, Array, Dtype, Result};
@@ -22,7 +23,6 @@ arithmetic! {
     subtract => subtract,
     multiply => multiply,
     divide => divide,
-    atan2 => arctan2,
     min => minimum,
     max => maximum,
     bitwise_and => bitwise_and,
@@ -68,7 +68,6 @@ macro_rules! unary {
 }
 
 unary! {
-    expm1 => expm1,
     log => log,
     log1p => log1p,
     tan => tan,
@@ -103,7 +102,6 @@ macro_rules! unary_f64_precise {
 
 unary_f64_precise! {
     exp => exp,
-    sigmoid => sigmoid,
     cos => cos,
     sin => sin,
     erf => erf,
@@ -187,28 +185,98 @@ pub fn imag(x: &[&Array], a: &Term) -> Outputs {
 }
 
 /// The real cube root, computed in f64 with one Newton step so that exact
-/// cubes come out exact.
+/// cubes come out exact; complex roots as Nx takes them, the real root of
+/// the modulus at a third of the phase.
 pub fn cbrt(x: &[&Array], a: &Term) -> Outputs {
     let t = to_out_type(x[0], a)?;
     if is_complex(t.dtype()) {
-        return finish(
-            float_scalar(1.0 / 3.0, t.dtype()).and_then(|third| ops::power(&t, &third)),
-            a,
-        );
+        let polar = || -> Result<Array> {
+            let r = ops::astype(&real_cbrt(&ops::abs(&t)?)?, Dtype::F32)?;
+            let third = ops::divide(&phase_of(&t)?, &float_scalar(3.0, Dtype::F32)?)?;
+            complex(&scale(&r, &ops::cos(&third)?)?, &scale(&r, &ops::sin(&third)?)?)
+        };
+        return finish(polar(), a);
     }
-    let root = || -> Result<Array> {
-        let x = ops::astype(&t, Dtype::F64)?;
-        let third = float_scalar(1.0 / 3.0, Dtype::F64)?;
-        let y = ops::multiply(&ops::sign(&x)?, &ops::power(&ops::abs(&x)?, &third)?)?;
-        let y2 = ops::multiply(&y, &y)?;
-        let step = ops::divide(
-            &ops::subtract(&ops::multiply(&y2, &y)?, &x)?,
-            &ops::multiply(&y2, &float_scalar(3.0, Dtype::F64)?)?,
-        )?;
-        let keep = ops::logical_or(&ops::equal(&y, &zero(Dtype::F64)?)?, &ops::isinf(&y)?)?;
-        ops::where_(&keep, &y, &ops::subtract(&y, &step)?)
+    finish(real_cbrt(&t), a)
+}
+
+/// The cube root of a real tensor, as f64.
+fn real_cbrt(t: &Array) -> Result<Array> {
+    let x = ops::astype(t, Dtype::F64)?;
+    let third = float_scalar(1.0 / 3.0, Dtype::F64)?;
+    let y = ops::multiply(&ops::sign(&x)?, &ops::power(&ops::abs(&x)?, &third)?)?;
+    let y2 = ops::multiply(&y, &y)?;
+    let step = ops::divide(
+        &ops::subtract(&ops::multiply(&y2, &y)?, &x)?,
+        &ops::multiply(&y2, &float_scalar(3.0, Dtype::F64)?)?,
+    )?;
+    let keep = ops::logical_or(&ops::equal(&y, &zero(Dtype::F64)?)?, &ops::isinf(&y)?)?;
+    ops::where_(&keep, &y, &ops::subtract(&y, &step)?)
+}
+
+/// `r * s`, with an exact zero `s` kept (its limit, where `r` is infinite:
+/// the imaginary part of `inf * e^0i` is 0, not NaN).
+fn scale(r: &Array, s: &Array) -> Result<Array> {
+    ops::where_(&ops::equal(s, &zero(s.dtype())?)?, s, &ops::multiply(r, s)?)
+}
+
+fn phase_of(z: &Array) -> Result<Array> {
+    ops::arctan2(&ops::imag(z)?, &ops::real(z)?)
+}
+
+// MLX has no complex kernel for expm1, sigmoid or atan2: they are composed
+// from real ops (and complex exp/divide, which MLX has).
+
+/// `e^z - 1`; for complex z = x + yi, `expm1(x) cos y - 2 sin^2(y/2)` +
+/// `e^x sin y` i, which keeps the digits of a result near 0.
+pub fn expm1(x: &[&Array], a: &Term) -> Outputs {
+    let t = to_out_type(x[0], a)?;
+    if !is_complex(t.dtype()) {
+        return finish(ops::expm1(&t), a);
+    }
+    let compose = || -> Result<Array> {
+        let (re, im) = (ops::real(&t)?, ops::imag(&t)?);
+        let half_sin = ops::sin(&ops::multiply(&im, &float_scalar(0.5, Dtype::F32)?)?)?;
+        let versine = ops::multiply(&ops::multiply(&half_sin, &half_sin)?, &float_scalar(2.0, Dtype::F32)?)?;
+        let real = ops::subtract(&scale(&ops::expm1(&re)?, &ops::cos(&im)?)?, &versine)?;
+        complex(&real, &scale(&ops::exp(&re)?, &ops::sin(&im)?)?)
     };
-    finish(root(), a)
+    finish(compose(), a)
+}
+
+/// `1 / (1 + e^-z)`; f64 through `precise` (MLX computes it in single
+/// precision).
+pub fn sigmoid(x: &[&Array], a: &Term) -> Outputs {
+    let t = to_out_type(x[0], a)?;
+    match t.dtype() {
+        Dtype::F64 => finish(precise::sigmoid(&t), a),
+        Dtype::C64 => {
+            let one = || float_scalar(1.0, Dtype::C64);
+            let compose = || ops::divide(&one()?, &ops::add(&one()?, &ops::exp(&ops::negative(&t)?)?)?);
+            finish(compose(), a)
+        }
+        _ => finish(ops::sigmoid(&t), a),
+    }
+}
+
+/// Complex atan2 takes real values only, as Nx's (Complex.atan2 raises on a
+/// non-zero imaginary part; the op fails instead, after evaluating the
+/// imaginary parts to check).
+pub fn atan2(x: &[&Array], a: &Term) -> Outputs {
+    let (l, r) = (to_out_type(x[0], a)?, to_out_type(x[1], a)?);
+    if !is_complex(l.dtype()) {
+        return finish(ops::arctan2(&l, &r), a);
+    }
+    for side in [&l, &r] {
+        let im = ops::imag(side)?;
+        let all: Vec<i32> = (0..im.shape().len() as i32).collect();
+        let any = ops::any(&nonzero(&im)?, &all, false)?;
+        if crate::budget::read::<u8>(&ops::astype(&any, Dtype::U8)?)? != [0] {
+            return Err("atan2 accepts complex numbers with a zero imaginary part only".into());
+        }
+    }
+    let angle = ops::arctan2(&ops::real(&l)?, &ops::real(&r)?)?;
+    finish(complex(&angle, &zeros_like(&angle)?), a)
 }
 
 /// erfc in f64 (`1 - erf` would lose the small values), then back.

@@ -2,8 +2,8 @@
 //! with zeros or truncated to its length, and components within `eps` of
 //! zero are rounded to zero, as Nx.BinaryBackend does.
 
+use super::compose::complex;
 use super::convert::float_scalar;
-use super::window::complex;
 use super::{attrs, finish, Outputs};
 use crate::mlx::{ops, Array, Dtype, Result};
 use crate::term::Term;

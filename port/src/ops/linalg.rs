@@ -151,7 +151,11 @@ pub fn triangular_solve(x: &[&Array], a: &Term) -> Outputs {
 
 /// `{q, r}` of Nx.Block.LinAlg.QR, `mode` reduced or complete. Signs follow
 /// Nx's Householder convention: where a column is reflected, r's diagonal
-/// entry is positive.
+/// entry is positive. Which columns Nx reflects is known from the input
+/// (a column already zero below the diagonal is not), except where a
+/// column becomes zero below the diagonal only after earlier reflections:
+/// that depends on Nx's own reflectors, which LAPACK's are not, and such a
+/// column is treated as reflected (a documented divergence).
 pub fn qr(x: &[&Array], a: &Term) -> Outputs {
     let work = work_type(a)?;
     let complete = attrs::atom(attrs::field(a, "mode")?)? == "complete";
@@ -206,21 +210,63 @@ fn reflection_signs(am: &Array, r: &Array, m: i32, k: i32) -> Result<Array> {
     ops::concatenate(&[&others, &last], -1)
 }
 
-/// Nx.Block.LinAlg.Cholesky: the lower factor. Where the matrix is not
-/// positive definite, Nx's algorithm takes the square root of a negative
-/// pivot and everything computed from it is NaN; MLX returns the partial
-/// factorisation silently, so the same entries are set to NaN here: from the
-/// first pivot that is not positive, the lower-right triangle.
+/// Nx.Block.LinAlg.Cholesky: the lower factor, from LAPACK. A matrix with
+/// a pivot that is not positive (positive semi-definite with a zero pivot,
+/// or not positive definite) is factored again by Nx's own algorithm
+/// (`crout`), whose results there MLX does not reproduce (it returns a
+/// partial factorisation). Checking the pivots evaluates the factor in the
+/// worker.
 pub fn cholesky(x: &[&Array], a: &Term) -> Outputs {
     let work = work_type(a)?;
     let am = ops::astype(x[0], work)?;
     let l = ops::cholesky(&am, false)?;
     let positive = ops::greater(&diagonal(&l)?, &float_scalar(0.0, work)?)?;
-    let failed = cumulative_any(&ops::logical_not(&positive)?)?;
-    let block = ops::logical_and(&expand(&failed, -1)?, &expand(&failed, -2)?)?;
-    // MLX's factor is zero above the diagonal, which stays so.
-    let l = ops::tril(&ops::where_(&block, &float_scalar(f64::NAN, work)?, &l)?, 0)?;
-    finish(approximate_zeros(&l, 1.0e-10), a)
+    let axes: Vec<i32> = (0..positive.shape().len() as i32).collect();
+    let all_positive = ops::all(&positive, &axes, false)?;
+    let l = if crate::budget::read::<u8>(&ops::astype(&all_positive, Dtype::U8)?)? == [1] {
+        l
+    } else {
+        crout(&am)?
+    };
+    finish(approximate_zeros(&l, CHOLESKY_EPS), a)
+}
+
+/// Nx's `eps` for Cholesky: added to each pivot it divides by, and the
+/// threshold below which entries become zero.
+const CHOLESKY_EPS: f64 = 1.0e-10;
+
+/// Nx's Cholesky-Crout loop, column by column:
+/// `l[j][j] = sqrt(a[j][j] - sum(l[j][k]^2))` and, below it,
+/// `l[i][j] = (a[i][j] - sum(l[i][k] l[j][k])) / (l[j][j] + eps)`, k < j.
+/// A negative pivot gives NaN from there on and a zero one divides by eps,
+/// as in Nx.
+fn crout(am: &Array) -> Result<Array> {
+    let work = am.dtype();
+    let shape = am.shape();
+    let (n, _) = matrix_dims(&shape).map_err(crate::mlx::Error::new)?;
+    let rows: Vec<i32> = (0..n).collect();
+    let rows = Array::from_values(&rows, &[n])?;
+    let mut l = ops::broadcast_to(&float_scalar(0.0, work)?, &shape)?;
+    for j in 0..n {
+        // Columns j.. of l are still zero, so full dot products sum over k < j.
+        let row = take_last(&l, -2, j, 1)?;
+        let sums = squeeze(&ops::matmul(&l, &swap_last(&row)?)?, -1)?;
+        let column = squeeze(&take_last(am, -1, j, 1)?, -1)?;
+        let pivot = ops::sqrt(&ops::subtract(
+            &take_last(&column, -1, j, 1)?,
+            &take_last(&sums, -1, j, 1)?,
+        )?)?;
+        let below = ops::divide(
+            &ops::subtract(&column, &sums)?,
+            &ops::add(&pivot, &float_scalar(CHOLESKY_EPS, work)?)?,
+        )?;
+        let j_at = int_scalar(j as i64, Dtype::S32)?;
+        let value = ops::where_(&ops::equal(&rows, &j_at)?, &pivot, &below)?;
+        let value = ops::where_(&ops::less(&rows, &j_at)?, &float_scalar(0.0, work)?, &value)?;
+        let is_column = ops::equal(&rows, &j_at)?;
+        l = ops::where_(&is_column, &expand(&value, -1)?, &l)?;
+    }
+    Ok(l)
 }
 
 /// Nx.Block.LinAlg.Eigh: eigenvalues by decreasing magnitude (as Nx sorts

@@ -4,7 +4,7 @@
 //! and reduced over their window axes. Views are computed from shapes the
 //! builder checks, so they never reach outside the padded array.
 
-use super::compose::{count, expand, inverse};
+use super::compose::{complex, count, expand, inverse};
 use super::convert::{float_scalar, int_scalar};
 use super::{attrs, finish, to_out_type, Outputs};
 use crate::mlx::ops::ConvSpec;
@@ -118,10 +118,12 @@ fn complex_conv(input: &Array, kernel: &Array, spec: &ConvSpec) -> Result<Array>
     complex(&re, &im)
 }
 
-/// MLX's f64 convolution has no groups: convolve each group's channels with
-/// its filters and concatenate the outputs (channels last).
+/// MLX convolves groups only in 1 or 2 spatial dimensions, and not in f64:
+/// otherwise each group's channels are convolved with its filters and the
+/// outputs concatenated (channels last).
 fn grouped_conv(input: &Array, kernel: &Array, spec: &ConvSpec) -> Result<Array> {
-    if spec.groups <= 1 || input.dtype() != Dtype::F64 {
+    let native = input.shape().len() <= 4 && input.dtype() != Dtype::F64;
+    if spec.groups <= 1 || native {
         return ops::conv_general(input, kernel, spec);
     }
     let (ishape, kshape) = (input.shape(), kernel.shape());
@@ -144,13 +146,6 @@ fn slice_axis(x: &Array, axis: usize, start: i32, len: i32) -> Result<Array> {
     lo[axis] = start;
     hi[axis] = start + len;
     ops::slice(x, &lo, &hi, &vec![1; shape.len()])
-}
-
-/// `re + im * i` as c64.
-pub(super) fn complex(re: &Array, im: &Array) -> Result<Array> {
-    let i = ops::reshape(&ops::view(&Array::from_values(&[0.0f32, 1.0], &[2])?, Dtype::C64)?, &[])?;
-    let re = ops::astype(re, Dtype::C64)?;
-    ops::add(&re, &ops::multiply(&ops::astype(im, Dtype::C64)?, &i)?)
 }
 
 /// Low and high padding per spatial axis.

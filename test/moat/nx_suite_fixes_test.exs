@@ -1,0 +1,75 @@
+defmodule Moat.NxSuiteFixesTest do
+  # What Nx's own ExUnit suite (bin/nx-suite) found on Moat, each checked
+  # against Nx.BinaryBackend on a real worker.
+  use ExUnit.Case, async: true
+
+  defp moat(t), do: Nx.backend_transfer(t, Moat.Backend)
+  defp host(t), do: Nx.backend_transfer(t, Nx.BinaryBackend)
+
+  test "boolean options are falsy when nil, as in Nx" do
+    a = Nx.tensor([1.0, :nan])
+    assert host(Nx.all_close(moat(a), moat(a), equal_nan: nil)) == Nx.tensor(0, type: :u8)
+    assert host(Nx.all_close(moat(a), moat(a), equal_nan: true)) == Nx.tensor(1, type: :u8)
+
+    t = Nx.iota({2, 3}, type: :f32)
+    assert host(Nx.sum(moat(t), axes: [1], keep_axes: nil)) == Nx.sum(t, axes: [1])
+    assert host(Nx.argmax(moat(t), axis: 1, keep_axis: nil)) == Nx.argmax(t, axis: 1)
+    assert host(Nx.cumulative_sum(moat(t), axis: 1, reverse: nil)) == Nx.cumulative_sum(t, axis: 1)
+  end
+
+  test "complex expm1, sigmoid and atan2 are composed in the worker; cbrt takes Nx's root" do
+    z = Nx.tensor([Complex.new(:infinity, 3), Complex.new(1, 2), Complex.new(1.0e-4, -1.0e-4), Complex.new(0, 0)])
+
+    for f <- [:expm1, :sigmoid, :cbrt] do
+      expected = apply(Nx, f, [z])
+      actual = host(apply(Nx, f, [moat(z)]))
+      assert Nx.all_close(actual, expected, rtol: 1.0e-6, atol: 1.0e-12) == Nx.tensor(1, type: :u8), "#{f}"
+    end
+
+    assert host(Nx.expm1(moat(Nx.tensor(Complex.new(:infinity, 3))))) ==
+             Nx.tensor(Complex.new(:neg_infinity, :infinity))
+
+    assert host(Nx.cbrt(moat(Nx.tensor(Complex.new(:infinity, 3))))) == Nx.tensor(Complex.new(:infinity, 0))
+
+    a = Nx.tensor([Complex.new(7, 0), Complex.new(-1, 0)])
+    b = Nx.tensor([Complex.new(2, 0), Complex.new(0, 0)])
+    assert host(Nx.atan2(moat(a), moat(b))) == Nx.atan2(a, b)
+
+    # Nx raises for a non-zero imaginary part; the op fails, naming it.
+    bad = Nx.atan2(moat(Nx.tensor([Complex.new(1, 1)])), moat(b))
+    assert_raise Moat.Error, ~r/atan2.*zero imaginary part/, fn -> host(bad) end
+  end
+
+  test "cholesky of a matrix with a zero pivot is Nx's, not NaN" do
+    for type <- [:f32, :f64],
+        m <- [[[25, 25], [25, 25]], [[4, 2, 2], [2, 1, 1], [2, 1, 5]], [[[25, 25], [25, 25]], [[4, 2], [2, 5]]]] do
+      t = Nx.tensor(m, type: type)
+      # Entries after a zero pivot are divided by Nx's eps, which amplifies
+      # the rounding of their numerators.
+      assert Nx.all_close(host(Nx.LinAlg.cholesky(moat(t))), Nx.LinAlg.cholesky(t), rtol: 1.0e-6) ==
+               Nx.tensor(1, type: :u8)
+    end
+
+    # A singular covariance no longer turns samples into NaN.
+    key = Nx.Random.key(1)
+
+    {sample, _} =
+      Nx.Random.multivariate_normal(moat(key), moat(Nx.tensor([1.0, 1.0])), moat(Nx.tensor([[1.0, 1.0], [1.0, 1.0]])))
+
+    refute host(Nx.any(Nx.is_nan(sample))) == Nx.tensor(1, type: :u8)
+  end
+
+  test "to_batched is a stream whose batches are made as it is consumed" do
+    t = Nx.iota({5, 2})
+
+    for leftover <- [:repeat, :discard] do
+      batches = Nx.to_batched(moat(t), 2, leftover: leftover)
+      assert %Stream{} = batches
+      assert Enum.map(batches, &host/1) == Enum.to_list(Nx.to_batched(t, 2, leftover: leftover))
+    end
+
+    # Taking one batch makes one: a single slice frame, nothing for the rest.
+    assert [first] = Nx.to_batched(moat(t), 1) |> Enum.take(1) |> Enum.map(&host/1)
+    assert first == Nx.tensor([[0, 1]])
+  end
+end

@@ -91,6 +91,10 @@ defmodule Moat.Types do
   # inputs are all complex128 (as_type from a real type is built natively).
   @c128_native [:reshape, :squeeze, :broadcast, :transpose, :reverse, :slice, :concatenate, :stack, :to_batched]
 
+  # Element-wise ops composed from f64 parts, exactly as Complex computes
+  # them (each part one IEEE operation), with any input types.
+  @c128_parts [:add, :subtract, :multiply, :negate, :conjugate, :real, :imag]
+
   @doc false
   # How Moat.Backend runs callback `name` given its output and arguments:
   # :native (its worker op, through `run/4` when a type is emulated),
@@ -102,6 +106,7 @@ defmodule Moat.Types do
       not Enum.any?(types, &emulated?/1) -> :native
       {:c, 128} not in types -> if name == :block, do: :default, else: :native
       name == :as_type and not Nx.Type.complex?(hd(args).type) -> :native
+      name in @c128_parts -> :native
       name in @c128_native and Enum.all?(data_types(name, args), &(&1 == {:c, 128})) -> :native
       true -> :fallback
     end
@@ -131,7 +136,7 @@ defmodule Moat.Types do
         true -> run_emulated(outs, name, inputs, attrs, send)
       end
 
-    results |> Enum.zip_with(outs, &%{&1 | type: &2.type, shape: &2.shape}) |> List.to_tuple()
+    results |> Enum.zip_with(outs, &%{&1 | type: &2.type, shape: &2.shape, names: &2.names}) |> List.to_tuple()
   end
 
   # Data movement: the stored bytes move as they are. The inputs carrying
@@ -223,14 +228,47 @@ defmodule Moat.Types do
     [%{Nx.stack([re, im], axis: -1) | type: out.type}]
   end
 
+  defp run_c128([out], name, inputs, _attrs, _send) when name in @c128_parts do
+    [c128_parts(name, Enum.map(inputs, &parts/1), out)]
+  end
+
   defp run_c128(outs, name, inputs, attrs, send) do
     stored = for t <- outs, do: c128_storage(t)
     inputs = for t <- inputs, do: if(t.type == {:c, 128}, do: c128_storage(t), else: t)
     send.(List.to_tuple(stored), name, inputs, c128_attrs(name, attrs, hd(outs))) |> Tuple.to_list()
   end
 
-  defp c128_storage(%T{type: {:c, 128}, shape: shape} = t),
-    do: %{t | type: {:f, 64}, shape: Tuple.insert_at(shape, tuple_size(shape), 2)}
+  defp c128_parts(:add, [{ra, ia}, {rb, ib}], out), do: from_parts(Nx.add(ra, rb), Nx.add(ia, ib), out)
+  defp c128_parts(:subtract, [{ra, ia}, {rb, ib}], out), do: from_parts(Nx.subtract(ra, rb), Nx.subtract(ia, ib), out)
+
+  defp c128_parts(:multiply, [{ra, ia}, {rb, ib}], out) do
+    re = Nx.subtract(Nx.multiply(ra, rb), Nx.multiply(ia, ib))
+    from_parts(re, Nx.add(Nx.multiply(ia, rb), Nx.multiply(ra, ib)), out)
+  end
+
+  defp c128_parts(:negate, [{re, im}], out), do: from_parts(Nx.negate(re), Nx.negate(im), out)
+  defp c128_parts(:conjugate, [{re, im}], out), do: from_parts(re, Nx.negate(im), out)
+  defp c128_parts(:real, [{re, _}], out), do: narrow(re, out.type)
+  defp c128_parts(:imag, [{_, im}], out), do: narrow(im, out.type)
+
+  defp from_parts(re, im, %T{type: {:c, 128}} = out), do: %{Nx.stack([re, im], axis: -1) | type: out.type}
+
+  # The real and imaginary parts, as f64 tensors of `t`'s shape.
+  defp parts(%T{type: {:c, 128}} = t) do
+    stored = c128_storage(t)
+    part = &(stored |> Nx.slice_along_axis(&1, 1, axis: -1) |> Nx.squeeze(axes: [-1]))
+    {part.(0), part.(1)}
+  end
+
+  defp parts(%T{type: {:c, _}} = t), do: {Nx.as_type(Nx.real(t), {:f, 64}), Nx.as_type(Nx.imag(t), {:f, 64})}
+
+  defp parts(t) do
+    re = t |> widen() |> Nx.as_type({:f, 64})
+    {re, Nx.broadcast(const(t, 0.0, {:f, 64}), re.shape)}
+  end
+
+  defp c128_storage(%T{type: {:c, 128}, shape: shape, names: names} = t),
+    do: %{t | type: {:f, 64}, shape: Tuple.insert_at(shape, tuple_size(shape), 2), names: names ++ [nil]}
 
   defp c128_attrs(:reshape, %{shape: shape} = a, _out), do: %{a | shape: shape ++ [2]}
 

@@ -52,6 +52,16 @@ defmodule Moat.TypesTest do
     end)
   end
 
+  test "the worker holds them in MLX types, as protocol.md's examples show" do
+    c = Nx.tensor([Complex.new(1.0, 2.0)], type: :c128)
+    assert {Moat.dtype(c.data.ref), Moat.shape(c.data.ref)} == {{:f, 64}, {1, 2}}
+    assert Moat.to_binary(c.data.ref) == <<1.0::float-64-native, 2.0::float-64-native>>
+    s4 = Nx.tensor([1, -2, 3], type: :s4)
+    assert Nx.to_binary(s4) == <<0x1E, 3::4>>
+    assert {Moat.dtype(s4.data.ref), Moat.to_binary(s4.data.ref)} == {{:s, 8}, <<1, 0xFE, 3>>}
+    assert Moat.dtype(Nx.tensor([1.0], type: :f8).data.ref) == {:u, 8}
+  end
+
   test "every f8 and f8_e4m3fn byte widens exactly and rounds back to itself" do
     for type <- f8_types() do
       bytes = Nx.from_binary(for(b <- 0..255, into: <<>>, do: <<b>>), type, backend: Nx.BinaryBackend)
@@ -168,14 +178,23 @@ defmodule Moat.TypesTest do
       # (Nx.BinaryBackend's FFTs of length 1 have no data.)
       shape = shape(rank: 1..2, dims: 2..4)
       {a, b} = {tensor(shape, {:c, 128}, specials: 0.0), tensor(shape, {:c, 128}, specials: 0.0)}
-      exact([a, b], &Nx.multiply/2)
-      assert_receive {:telemetry, [:moat, :fallback, :start], _, %{op: :multiply, input_types: [{:c, 128}, {:c, 128}]}}
+      exact([a, b], &Nx.divide/2)
+      assert_receive {:telemetry, [:moat, :fallback, :start], _, %{op: :divide, input_types: [{:c, 128}, {:c, 128}]}}
       exact([a], &Nx.exp/1)
       exact([a], &Nx.sum/1)
-      exact([a], &Nx.conjugate/1)
-      exact([a], &Nx.real/1)
       exact([tensor(shape, {:f, 64}, specials: 0.0)], &Nx.fft/1)
       flush_fallbacks()
+
+      # Composed natively from f64 parts, with inputs of any type.
+      other = tensor(shape, one_of([{:c, 128}, {:c, 64}, {:f, 64}, {:f, 32}, {:f, 8}, {:s, 4}]))
+
+      for op <- [:add, :subtract, :multiply] do
+        exact([a, other], &apply(Nx, op, [&1, &2]))
+        exact([other, a], &apply(Nx, op, [&1, &2]))
+      end
+
+      for op <- [:negate, :conjugate, :real, :imag], do: exact([a], &apply(Nx, op, [&1]))
+      exact([tensor(shape, {:f, 64})], &Nx.conjugate/1)
       exact([a], &Nx.transpose/1)
       exact([a], &Nx.reshape(&1, {Nx.size(&1)}))
       exact([a, b], &Nx.concatenate([&1, &2]))

@@ -56,10 +56,10 @@ defmodule Moat.Backend do
   Creation, conversion, shape and type ops, element-wise ops, reductions,
   cumulative ops and sorting:
 
-    * Types MLX cannot hold raise `ArgumentError` before anything is sent:
-      `{:f, 8}`, `{:f8_e4m3fn, 8}`, `{:s | :u, 2 | 4}` and `{:c, 128}` (so
-      `Nx.conjugate/1` of an f64 tensor raises). `{:f, 64}` is computed on the
-      CPU.
+    * Types MLX does not have (`{:f, 8}`, `{:f8_e4m3fn, 8}`, `{:s | :u, 2 |
+      4}`, `{:c, 128}`) are held in a storage type and emulated or computed
+      on Nx.BinaryBackend: see "Types MLX does not have" below. `{:f, 64}`
+      is computed on the CPU.
     * f64 `exp`, `sigmoid`, `sin`, `cos`, `erf`, `erfc` and `erf_inv` are
       built from MLX primitives that are exact in f64 (MLX's own f64 kernels
       of these are single precision), within a few ulp of the correctly
@@ -132,13 +132,63 @@ defmodule Moat.Backend do
       a zero one).
     * `dot` and `conv` of f16/bf16 accumulate in f32 and round once.
 
+  ## Types MLX does not have
+
+  MLX has no 8-bit floats, no 2- or 4-bit integers and no complex128.
+  `Moat.Types` holds them in the worker in a storage type: f8 and
+  f8_e4m3fn as their bytes (u8), 2- and 4-bit integers one value a byte
+  (s8/u8, unpacked from Nx's bitstrings on upload and packed on readback),
+  c128 as f64 with a hidden trailing axis of 2 (Nx's own byte layout).
+  Per op: *native* runs MLX on the stored values as they are; *emulated*
+  widens the inputs in the worker (f8 to f32 exactly, sub-byte integers as
+  their 8-bit storage), runs the op there and rounds (f8) or wraps (sub-byte
+  integers) the result back, as Nx.BinaryBackend writes values of the type;
+  *fallback* runs on Nx.BinaryBackend with `[:moat, :fallback, ...]`
+  telemetry (a c128 computed in c64 would be wrong data).
+
+  | ops | f8, f8_e4m3fn | s2, s4, u2, u4 | c128 |
+  | --- | --- | --- | --- |
+  | `reshape`, `squeeze`, `broadcast`, `transpose`, `reverse`, `slice`, `concatenate`, `stack`, `to_batched`, copies | native | native | native |
+  | `pad`, `select`, `put_slice`, `gather`, `indexed_put` | native when the data inputs have the output's type, else emulated | native | fallback |
+  | `as_type` | emulated | emulated | native from real types, else fallback |
+  | `bitcast` | native (the bytes) | native, then wrapped | – |
+  | `add`, `subtract`, `multiply`, `negate`, `conjugate`, `real`, `imag` | emulated | emulated | native, from f64 parts as `Complex` computes them |
+  | every other callback: element-wise math, comparisons, reductions, `argsort`/`sort`, `dot`, `conv`, windows, FFT, `quotient`/`remainder`, bit counts, `triangular_solve` | emulated | emulated | fallback |
+  | blocks (`Nx.Block.*`: `take`, `top_k`, cumulative ops, linear algebra, `fft2`…) | Nx's default implementation, from the callbacks above | the same | fallback (the whole block) |
+  | `constant`, `iota`, `eye` | made in f32 and rounded | made in s64 and wrapped | made in f64 (native) |
+
+  Rounding follows Nx.BinaryBackend bit for bit where it writes one value:
+
+    * f8 (E5M2) is Nx's: the value rounded to f16 (nearest, ties to even),
+      then its high byte (so the low byte is truncated); NaN is `0x7E`.
+    * f8_e4m3fn is `Nx.Floating.dump_f8_e4m3fn/1`'s, quirks included: the
+      3-bit mantissa is rounded half away from zero and capped at 7 instead
+      of carrying into the exponent (1.96 becomes 1.875), values beyond ±448
+      and infinities saturate to ±448, NaN is `0x7F`, and -0.0 is `0x00`
+      (Nx on OTP 25; on OTP 27 Nx writes `0x80`).
+    * 2- and 4-bit integers wrap (the low bits, sign-extended); converting a
+      float gives 0 for NaN and the type's limits for ±inf, as Nx does.
+
+  Differences from Nx.BinaryBackend, which computes f8 in f64: f8 results
+  are computed in f32 and rounded once. For `+ - * /` and `sqrt` of f8
+  values that is the same result; a transcendental function can differ by
+  one f8 step where the f32 value lies within f32 rounding of an f8
+  rounding boundary, and long f8 sums accumulate in f32.
+  `count_leading_zeros` of a 2- or 4-bit integer counts within its bits
+  (Nx.BinaryBackend raises), and `inspect/2` prints 2- and 4-bit tensors
+  (Nx 0.13's `Nx.Backend.inspect/3` cannot). c128 fallbacks behave as
+  Nx.BinaryBackend does, its limits included (complex math of non-finite
+  c128 values raises there, FFTs of length 1 have no data).
+
   ## Fallbacks
 
   Creation, conversion, shape and type ops, element-wise ops, reductions,
   cumulative ops, sorting and the blocks `Nx.Block.LogicalNot`,
   `Nx.Block.Phase`, `Nx.Block.AllClose`, `Nx.Block.Cumulative*` (any axis,
   both directions) and `Nx.Block.TopK` all run natively in the worker; none
-  of them falls back to Nx.BinaryBackend.
+  of them falls back to Nx.BinaryBackend, except on c128 (see "Types MLX
+  does not have"; the telemetry's metadata names the callback as `:op`, and
+  a block's struct as `:block`).
 
   Indexing, dot, convolution, linear algebra, windows and FFT:
 

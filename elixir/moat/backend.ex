@@ -840,13 +840,17 @@ defmodule Moat.Backend do
   end
 
   defp op(out, name, inputs, attrs) do
-    if Enum.any?(inputs, &(&1.type in @emulated)) do
+    if emulated_input?(inputs) do
       {result} = multi_op({out}, name, inputs, attrs)
       result
     else
       native_op(out, name, inputs, attrs)
     end
   end
+
+  defp emulated_input?([%T{type: type} | _]) when type in @emulated, do: true
+  defp emulated_input?([_ | rest]), do: emulated_input?(rest)
+  defp emulated_input?([]), do: false
 
   # The common case, every input on one worker, skips multi_op's copying.
   defp native_op(

@@ -100,10 +100,21 @@ defmodule Moat.Types do
   # :native (its worker op, through `run/4` when a type is emulated),
   # :fallback (Nx.BinaryBackend), or :default (a block's default function).
   def route(name, out, args) do
+    if emulated_in?([out | args]), do: route_emulated(name, out, args), else: :native
+  end
+
+  # On every callback: a walk that allocates nothing.
+  defp emulated_in?([]), do: false
+  defp emulated_in?([%T{type: type} | _]) when is_map_key(@storage, type), do: true
+  defp emulated_in?([%T{} | rest]), do: emulated_in?(rest)
+  defp emulated_in?([list | rest]) when is_list(list), do: emulated_in?(list) or emulated_in?(rest)
+  defp emulated_in?([tuple | rest]) when is_tuple(tuple), do: emulated_in?(Tuple.to_list(tuple)) or emulated_in?(rest)
+  defp emulated_in?([_ | rest]), do: emulated_in?(rest)
+
+  defp route_emulated(name, out, args) do
     types = types([out | args], [])
 
     cond do
-      not Enum.any?(types, &emulated?/1) -> :native
       {:c, 128} not in types -> if name == :block, do: :default, else: :native
       name == :as_type and not Nx.Type.complex?(hd(args).type) -> :native
       name in @c128_parts -> :native
@@ -162,20 +173,25 @@ defmodule Moat.Types do
   }
 
   defp storage_op?(name, [%T{type: type} | _], inputs) when is_map_key(@data_inputs, name) do
-    data =
-      case @data_inputs[name] do
-        :all -> inputs
-        positions -> Enum.map(positions, &Enum.at(inputs, &1))
-      end
-
-    emulated?(type) and Enum.all?(data, &(&1.type == type))
+    emulated?(type) and Enum.all?(data_inputs(name, inputs), fn {t, data?} -> not data? or t.type == type end)
   end
 
   defp storage_op?(_name, _outs, _inputs), do: false
 
+  # Each input with whether it carries data.
+  defp data_inputs(name, inputs) do
+    case @data_inputs[name] do
+      :all -> Enum.map(inputs, &{&1, true})
+      positions -> inputs |> Enum.with_index() |> Enum.map(fn {t, i} -> {t, i in positions} end)
+    end
+  end
+
+  # The data moves as stored; a predicate or index of an f8 type is read
+  # by value (its -0.0 is false).
   defp run_storage(outs, name, inputs, attrs, send) do
     stored = for t <- outs, do: %{t | type: storage(t.type)}
-    send.(List.to_tuple(stored), name, Enum.map(inputs, &relabel/1), map_types(attrs, &storage/1)) |> Tuple.to_list()
+    inputs = for {t, data?} <- data_inputs(name, inputs), do: if(data?, do: relabel(t), else: widen(t))
+    send.(List.to_tuple(stored), name, inputs, map_types(attrs, &storage/1)) |> Tuple.to_list()
   end
 
   defp relabel(%T{type: type} = t), do: %{t | type: storage(type)}

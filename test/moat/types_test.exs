@@ -152,6 +152,8 @@ defmodule Moat.TypesTest do
       exact([t], &Nx.pad(&1, Nx.tensor(1, type: type), [{1, 0, 1}, {0, 2, 0}]))
       exact([t], &Nx.put_slice(&1, [1, 1], Nx.tensor([[1, 0]], type: type)))
       exact([t], &(&1 |> Nx.to_batched(2) |> Enum.at(1)))
+      # A predicate of the same type is read by value (-0.0 and 0 are false).
+      exact([t, tensor({3, 4}, type)], &Nx.select(&1, &2, &1))
     end)
   end
 

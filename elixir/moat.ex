@@ -132,21 +132,21 @@ defmodule Moat do
   def supported_types, do: @supported
 
   @doc """
-  Raises `ArgumentError` unless MLX can hold `type`, naming what to use
-  instead. Nothing is ever silently downcast.
+  Raises `ArgumentError` unless MLX can hold `type`. This module's functions
+  move MLX types only; `Moat.Backend` also holds the Nx types MLX does not
+  have, in one of these (see `Moat.Types`). Nothing is ever silently
+  downcast.
   """
   @spec check_type!(Nx.Type.t()) :: Nx.Type.t()
   def check_type!(type) when type in @supported, do: type
-  def check_type!({:c, 128}), do: unsupported!({:c, 128}, "{:c, 64}")
-  def check_type!({:s, b} = t) when b in [2, 4], do: unsupported!(t, "{:s, 8}")
-  def check_type!({:u, b} = t) when b in [2, 4], do: unsupported!(t, "{:u, 8}")
-  def check_type!({:f, 8} = t), do: unsupported!(t, "{:f, 16} or {:bf, 16}")
-  def check_type!({:f8_e4m3fn, 8} = t), do: unsupported!(t, "{:f, 16} or {:bf, 16}")
-  def check_type!(t), do: unsupported!(t, "one of #{inspect(@supported)}")
 
-  defp unsupported!(type, instead) do
-    raise ArgumentError,
-          "Moat cannot hold tensors of type #{inspect(type)}: MLX has no such type; use #{instead}"
+  def check_type!(type) do
+    held =
+      if Moat.Types.emulated?(type),
+        do: "Moat.Backend (Nx) holds it as #{inspect(Moat.Types.storage(type))}, see Moat.Types",
+        else: "the worker's types are #{inspect(@supported)}"
+
+    raise ArgumentError, "MLX has no type #{inspect(type)}: #{held}"
   end
 
   @doc """

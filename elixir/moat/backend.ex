@@ -76,10 +76,10 @@ defmodule Moat.Backend do
   Creation, conversion, shape and type ops, element-wise ops, reductions,
   cumulative ops and sorting:
 
-    * Types MLX cannot hold raise `ArgumentError` before anything is sent:
-      `{:f, 8}`, `{:f8_e4m3fn, 8}`, `{:s | :u, 2 | 4}` and `{:c, 128}` (so
-      `Nx.conjugate/1` of an f64 tensor raises). `{:f, 64}` is computed on the
-      CPU.
+    * Types MLX does not have (`{:f, 8}`, `{:f8_e4m3fn, 8}`, `{:s | :u, 2 |
+      4}`, `{:c, 128}`) are held in a storage type and emulated or computed
+      on Nx.BinaryBackend: see "Types MLX does not have" below. `{:f, 64}`
+      is computed on the CPU.
     * f64 `exp`, `sigmoid`, `sin`, `cos`, `erf`, `erfc` and `erf_inv` are
       built from MLX primitives that are exact in f64 (MLX's own f64 kernels
       of these are single precision), within a few ulp of the correctly
@@ -170,13 +170,63 @@ defmodule Moat.Backend do
       `dot` accumulates in f32 (BLAS), where Nx.BinaryBackend accumulates
       in f64 and rounds once (last-digit differences).
 
+  ## Types MLX does not have
+
+  MLX has no 8-bit floats, no 2- or 4-bit integers and no complex128.
+  `Moat.Types` holds them in the worker in a storage type: f8 and
+  f8_e4m3fn as their bytes (u8), 2- and 4-bit integers one value a byte
+  (s8/u8, unpacked from Nx's bitstrings on upload and packed on readback),
+  c128 as f64 with a hidden trailing axis of 2 (Nx's own byte layout).
+  Per op: *native* runs MLX on the stored values as they are; *emulated*
+  widens the inputs in the worker (f8 to f32 exactly, sub-byte integers as
+  their 8-bit storage), runs the op there and rounds (f8) or wraps (sub-byte
+  integers) the result back, as Nx.BinaryBackend writes values of the type;
+  *fallback* runs on Nx.BinaryBackend with `[:moat, :fallback, ...]`
+  telemetry (a c128 computed in c64 would be wrong data).
+
+  | ops | f8, f8_e4m3fn | s2, s4, u2, u4 | c128 |
+  | --- | --- | --- | --- |
+  | `reshape`, `squeeze`, `broadcast`, `transpose`, `reverse`, `slice`, `concatenate`, `stack`, `to_batched`, copies | native | native | native |
+  | `pad`, `select`, `put_slice`, `gather`, `indexed_put` | native when the data inputs have the output's type, else emulated | native | fallback |
+  | `as_type` | emulated | emulated | native from real types, else fallback |
+  | `bitcast` | native (the bytes) | native, then wrapped | – |
+  | `add`, `subtract`, `multiply`, `negate`, `conjugate`, `real`, `imag` | emulated | emulated | native, from f64 parts as `Complex` computes them |
+  | every other callback: element-wise math, comparisons, reductions, `argsort`/`sort`, `dot`, `conv`, windows, FFT, `quotient`/`remainder`, bit counts, `triangular_solve` | emulated | emulated | fallback |
+  | blocks (`Nx.Block.*`: `take`, `top_k`, cumulative ops, linear algebra, `fft2`…) | Nx's default implementation, from the callbacks above | the same | fallback (the whole block) |
+  | `constant`, `iota`, `eye` | made in f32 and rounded | made in s64 and wrapped | made in f64 (native) |
+
+  Rounding follows Nx.BinaryBackend bit for bit where it writes one value:
+
+    * f8 (E5M2) is Nx's: the value rounded to f16 (nearest, ties to even),
+      then its high byte (so the low byte is truncated); NaN is `0x7E`.
+    * f8_e4m3fn is `Nx.Floating.dump_f8_e4m3fn/1`'s, quirks included: the
+      3-bit mantissa is rounded half away from zero and capped at 7 instead
+      of carrying into the exponent (1.96 becomes 1.875), values beyond ±448
+      and infinities saturate to ±448, NaN is `0x7F`, and -0.0 is `0x00`
+      (Nx on OTP 25; on OTP 27 Nx writes `0x80`).
+    * 2- and 4-bit integers wrap (the low bits, sign-extended); converting a
+      float gives 0 for NaN and the type's limits for ±inf, as Nx does.
+
+  Differences from Nx.BinaryBackend, which computes f8 in f64: f8 results
+  are computed in f32 and rounded once. For `+ - * /` and `sqrt` of f8
+  values that is the same result; a transcendental function can differ by
+  one f8 step where the f32 value lies within f32 rounding of an f8
+  rounding boundary, and long f8 sums accumulate in f32.
+  `count_leading_zeros` of a 2- or 4-bit integer counts within its bits
+  (Nx.BinaryBackend raises), and `inspect/2` prints 2- and 4-bit tensors
+  (Nx 0.13's `Nx.Backend.inspect/3` cannot). c128 fallbacks behave as
+  Nx.BinaryBackend does, its limits included (complex math of non-finite
+  c128 values raises there, FFTs of length 1 have no data).
+
   ## Fallbacks
 
   Creation, conversion, shape and type ops, element-wise ops, reductions,
   cumulative ops, sorting and the blocks `Nx.Block.LogicalNot`,
   `Nx.Block.Phase`, `Nx.Block.AllClose`, `Nx.Block.Cumulative*` (any axis,
   both directions) and `Nx.Block.TopK` all run natively in the worker; none
-  of them falls back to Nx.BinaryBackend.
+  of them falls back to Nx.BinaryBackend, except on c128 (see "Types MLX
+  does not have"; the telemetry's metadata names the callback as `:op`, and
+  a block's struct as `:block`).
 
   Indexing, dot, convolution, linear algebra, windows and FFT:
 
@@ -192,12 +242,14 @@ defmodule Moat.Backend do
 
   @behaviour Nx.Backend
 
+  @emulated Moat.Types.emulated()
+
   @enforce_keys [:ref]
   defstruct [:ref, device: :cpu]
 
   @type t :: %__MODULE__{ref: Moat.Ref.t(), device: :cpu | :gpu}
 
-  alias Moat.{Client, Ref}
+  alias Moat.{Client, Ref, Types}
   alias Nx.Tensor, as: T
 
   @impl true
@@ -216,25 +268,46 @@ defmodule Moat.Backend do
   @impl true
   def from_binary(%T{shape: shape, type: type} = out, binary, opts) do
     device = device!(worker(opts), opts)
-    ref = Moat.from_binary(binary, shape, type, worker: worker(opts))
+    {binary, dims, stored} = Types.to_storage(binary, Tuple.to_list(shape), type)
+    ref = Moat.from_binary(binary, dims, stored, worker: worker(opts))
     wrap(out, ref, device)
   end
 
+  # Types MLX does not have (Moat.Types) are made in a type MLX has and
+  # converted, or (constants) uploaded once and broadcast.
   @impl true
+  def constant(%T{shape: shape, type: type} = out, number, opts) when type in @emulated do
+    value = Nx.BinaryBackend.constant(%{out | shape: {}}, number, []) |> Nx.to_binary()
+    scalar = from_binary(%{out | shape: {}}, value, opts)
+    if shape == {}, do: scalar, else: broadcast(out, scalar, shape, [])
+  end
+
   def constant(%T{shape: shape, type: type} = out, number, opts) do
     value = Nx.BinaryBackend.constant(%{out | shape: {}}, number, []) |> Nx.to_binary()
     create(out, :constant, %{value: value, shape: Tuple.to_list(shape), type: Moat.check_type!(type)}, opts)
   end
 
   @impl true
+  def eye(%T{type: type} = out, opts) when type in @emulated, do: as_type(out, eye(%{out | type: made_as(type)}, opts))
+
   def eye(%T{shape: shape, type: type} = out, opts) do
     create(out, :eye, %{shape: Tuple.to_list(shape), type: Moat.check_type!(type)}, opts)
   end
 
   @impl true
+  def iota(%T{type: type} = out, axis, opts) when type in @emulated,
+    do: as_type(out, iota(%{out | type: made_as(type)}, axis, opts))
+
   def iota(%T{shape: shape, type: type} = out, axis, opts) do
     create(out, :iota, %{shape: Tuple.to_list(shape), axis: axis, type: Moat.check_type!(type)}, opts)
   end
+
+  # Integers (values exact in every float type but f8, where f32 rounds
+  # like Nx) for eye and iota of the types MLX does not have.
+  defp made_as({:c, 128}), do: {:f, 64}
+  defp made_as({:s, _}), do: {:s, 64}
+  defp made_as({:u, _}), do: {:u, 64}
+  defp made_as(_f8), do: {:f, 32}
 
   @impl true
   def to_binary(%T{type: {_, bits}} = tensor, limit) do
@@ -245,23 +318,30 @@ defmodule Moat.Backend do
         head = slice(%{flat | shape: {limit}}, flat, [0], [limit], [1])
         read_and_release([flat, head])
       else
-        Moat.to_binary(ref(tensor))
+        read(tensor)
       end
 
-    binary_part(binary, 0, min(byte_size(binary), div(limit * bits, 8)))
+    size = min(bit_size(binary), limit * bits)
+    <<head::bitstring-size(size), _::bitstring>> = binary
+    head
   end
 
   defp read_and_release(tensors) do
-    binary = Moat.to_binary(ref(List.last(tensors)))
+    binary = read(List.last(tensors))
     Enum.each(tensors, &backend_deallocate/1)
     binary
   end
+
+  # The tensor's data in Nx's layout.
+  defp read(%T{type: type} = tensor), do: tensor |> ref() |> Moat.to_binary() |> Types.from_storage(type)
 
   @impl true
   def inspect(%T{data: %__MODULE__{device: device}} = tensor, inspect_opts) do
     limit = if inspect_opts.limit == :infinity, do: :infinity, else: inspect_opts.limit + 1
     binary = to_binary(tensor, min(limit, Nx.size(tensor)))
-    doc = Nx.Backend.inspect(tensor, binary, inspect_opts)
+    # Nx.Backend.inspect/3 reads whole bytes: sub-byte integers print from theirs.
+    {type, binary} = Types.printable(tensor.type, binary)
+    doc = Nx.Backend.inspect(%{tensor | type: type}, binary, inspect_opts)
 
     # `config :moat, inspect_backend: false` leaves the signature out.
     if Application.get_env(:moat, :inspect_backend, true) do
@@ -277,12 +357,12 @@ defmodule Moat.Backend do
       # MLX arrays are immutable: the copy is a new id for the same array.
       op(tensor, :copy, [tensor], %{})
     else
-      from_binary(tensor, Moat.to_binary(ref(tensor)), opts)
+      from_binary(tensor, read(tensor), opts)
     end
   end
 
   def backend_copy(tensor, backend, opts) do
-    backend.from_binary(tensor, Moat.to_binary(ref(tensor)), opts)
+    backend.from_binary(tensor, read(tensor), opts)
   end
 
   # A tensor of another node's worker is copied into this node's, once.
@@ -364,10 +444,10 @@ defmodule Moat.Backend do
   ## Shape and type
 
   @impl true
-  def as_type(%T{type: type} = out, tensor), do: op(out, :astype, [tensor], %{type: Moat.check_type!(type)})
+  def as_type(%T{type: type} = out, tensor), do: op(out, :astype, [tensor], %{type: type})
 
   @impl true
-  def bitcast(%T{type: type} = out, tensor), do: op(out, :bitcast, [tensor], %{type: Moat.check_type!(type)})
+  def bitcast(%T{type: type} = out, tensor), do: op(out, :bitcast, [tensor], %{type: type})
 
   @impl true
   def reshape(%T{shape: shape} = out, tensor), do: op(out, :reshape, [tensor], %{shape: Tuple.to_list(shape)})
@@ -620,8 +700,28 @@ defmodule Moat.Backend do
   # Nx.block/4 structs (linear algebra, cumulative ops, take, top_k, fft2...)
   # run natively as one worker op each where `native_block/3` has a clause;
   # otherwise Nx's default implementation runs, built from the callbacks above.
+  # Types MLX does not have: a block runs Nx's default implementation
+  # (its callbacks emulate f8 and sub-byte integers), or, with complex128,
+  # on Nx.BinaryBackend.
   @impl true
   def block(struct, output, args, fun) do
+    case Types.route(:block, output, args) do
+      :native -> native_or_default(struct, output, args, fun)
+      :default -> apply(fun, [struct | args])
+      :fallback -> block_via_binary(struct, output, args, fun)
+    end
+  end
+
+  # Nx's default function builds its tensors on Nx.BinaryBackend too.
+  defp block_via_binary(struct, output, args, fun) do
+    opts = args |> Enum.find(&match?(%T{data: %__MODULE__{}}, &1)) |> backend_options()
+
+    Nx.with_default_backend(Nx.BinaryBackend, fn ->
+      via_binary(:block, output, [struct, args, fun], opts)
+    end)
+  end
+
+  defp native_or_default(struct, output, args, fun) do
     with :default <- native_block(struct, output, args) do
       apply(fun, [struct | args])
     end
@@ -709,21 +809,25 @@ defmodule Moat.Backend do
   # uploaded again. Emits [:moat, :fallback, :start | :stop | :exception] and
   # obeys `config :moat, fallback: :silent | :warn | :raise`.
   def via_binary(op, out, args, opts \\ []) do
-    meta = %{
-      op: op,
-      input_shapes: for(%T{shape: s} <- args, do: s),
-      input_types: for(%T{type: t} <- args, do: t)
-    }
+    # Tensors in lists (concatenate's, a block's arguments) count too.
+    tensors = for %T{} = t <- List.flatten(args), do: t
+    meta = %{op: op, input_shapes: Enum.map(tensors, & &1.shape), input_types: Enum.map(tensors, & &1.type)}
+    meta = if op == :block, do: Map.put(meta, :block, hd(args).__struct__), else: meta
 
     policy = Application.get_env(:moat, :fallback, :silent)
     fallback_policy(policy, op)
 
     :telemetry.span([:moat, :fallback], meta, fn ->
       args = Enum.map(args, &to_binary_backend/1)
-      result = apply(Nx.BinaryBackend, op, [out | args])
+      result = apply(Nx.BinaryBackend, op, binary_args(op, out, args))
       {from_binary_backend(result, opts), meta}
     end)
   end
+
+  # Nx.BinaryBackend.block/4 takes the struct before the output.
+  defp binary_args(:block, out, [struct, args, fun]), do: [struct, out, args, fun]
+
+  defp binary_args(_op, out, args), do: [out | args]
 
   defp fallback_policy(:silent, _op), do: :ok
 
@@ -797,8 +901,32 @@ defmodule Moat.Backend do
   end
 
   # Sends one graph-building op and returns `out` bound to its result.
+  # Types MLX does not have are held and computed as Moat.Types says.
+  defp op(%T{type: type} = out, name, inputs, attrs) when type in @emulated do
+    {result} = multi_op({out}, name, inputs, attrs)
+    result
+  end
+
+  defp op(out, name, inputs, attrs) do
+    if emulated_input?(inputs) do
+      {result} = multi_op({out}, name, inputs, attrs)
+      result
+    else
+      native_op(out, name, inputs, attrs)
+    end
+  end
+
+  defp emulated_input?([%T{type: type} | _]) when type in @emulated, do: true
+  defp emulated_input?([_ | rest]), do: emulated_input?(rest)
+  defp emulated_input?([]), do: false
+
   # The common case, every input on one worker, skips multi_op's copying.
-  defp op(%T{} = out, name, [%T{data: %__MODULE__{ref: %Ref{worker: worker}, device: device}} | _] = inputs, attrs) do
+  defp native_op(
+         %T{} = out,
+         name,
+         [%T{data: %__MODULE__{ref: %Ref{worker: worker}, device: device}} | _] = inputs,
+         attrs
+       ) do
     if Enum.all?(inputs, &match?(%T{data: %__MODULE__{ref: %Ref{worker: ^worker}}}, &1)) do
       Moat.check_type!(out.type)
       conn = Client.conn(worker)
@@ -813,10 +941,10 @@ defmodule Moat.Backend do
     end
   end
 
-  defp op(%T{} = out, name, inputs, attrs), do: single_op(out, name, inputs, attrs)
+  defp native_op(%T{} = out, name, inputs, attrs), do: single_op(out, name, inputs, attrs)
 
   defp single_op(out, name, inputs, attrs) do
-    {result} = multi_op({out}, name, inputs, attrs)
+    {result} = native_multi_op({out}, name, inputs, attrs)
     result
   end
 
@@ -825,6 +953,22 @@ defmodule Moat.Backend do
   # backends or workers are copied into the worker of the first Moat input;
   # those copies are released once the op holds them.
   defp multi_op(outs, name, inputs, attrs) when is_tuple(outs) do
+    if Enum.any?(Tuple.to_list(outs) ++ inputs, &(&1.type in @emulated)) do
+      {worker, _device} = home(inputs)
+      moved = Enum.map(inputs, &to_worker(&1, worker))
+      Types.run(outs, name, moved, attrs, &checked_op/4)
+    else
+      native_multi_op(outs, name, inputs, attrs)
+    end
+  end
+
+  # What Moat.Types sends: its inputs must hold MLX types.
+  defp checked_op(outs, name, inputs, attrs) do
+    Enum.each(inputs, &Moat.check_type!(&1.type))
+    native_multi_op(outs, name, inputs, attrs)
+  end
+
+  defp native_multi_op(outs, name, inputs, attrs) when is_tuple(outs) do
     outs = Tuple.to_list(outs)
     Enum.each(outs, &Moat.check_type!(&1.type))
     {worker, device} = home(inputs)
@@ -865,5 +1009,29 @@ defmodule Moat.Backend do
     ref = Client.ref(conn, id)
     Client.cast(conn, name, [id], [], attrs)
     wrap(out, ref, device)
+  end
+
+  ## Types MLX does not have
+
+  # Every tensor callback first asks Moat.Types how to run with the types it
+  # was given: natively (emulated types go through Moat.Types.run/5 in op/4)
+  # or on Nx.BinaryBackend (complex128 beyond data movement).
+  @unrouted [init: 1, from_binary: 3, constant: 3, eye: 2, iota: 3, to_binary: 2, inspect: 2] ++
+              [backend_copy: 3, backend_transfer: 3, backend_deallocate: 1, to_pointer: 2] ++
+              [from_pointer: 5, reduce: 5, window_reduce: 6, block: 4]
+
+  for {name, arity} <- Nx.Backend.behaviour_info(:callbacks) -- @unrouted do
+    args = Macro.generate_arguments(arity, __MODULE__)
+    defoverridable [{name, arity}]
+
+    @impl true
+    def unquote(name)(unquote_splicing(args)) do
+      [out | rest] = unquote(args)
+
+      case Types.route(unquote(name), out, rest) do
+        :native -> super(unquote_splicing(args))
+        :fallback -> via_binary(unquote(name), out, rest)
+      end
+    end
   end
 end

@@ -14,12 +14,6 @@ defmodule Moat.NxDoctestTest do
 
   # Element-wise, shape, reductions, sorting, creation.
   @excluded_elementwise [
-    # f8 and f8_e4m3fn tensors: MLX has no such types (Moat raises ArgumentError).
-    "Nx.tensor/2 (42)",
-    "Nx.tensor/2 (43)",
-    "Nx.tensor/2 (44)",
-    # A u2 tensor: MLX has no 2-bit integers (Moat raises ArgumentError).
-    "Nx.bit_size/1 (254)",
     # Nx's f64 erf_inv is an approximation good to ~3e-8; Moat's is within an ulp of the
     # true value (erf_inv(0.1) = 0.0888559904942577; Nx shows 0.08885598780483887).
     "Nx.erf_inv/1 (453)",

@@ -16,6 +16,13 @@ defmodule Moat.Gen do
   def real_types, do: @ints ++ @floats
   def all_types, do: @ints ++ @floats ++ [{:c, 64}]
 
+  # Held in a storage type by Moat.Backend (Moat.Types): MLX has none of them.
+  @small_ints [{:s, 2}, {:s, 4}, {:u, 2}, {:u, 4}]
+  @f8 [{:f, 8}, {:f8_e4m3fn, 8}]
+  def small_int_types, do: @small_ints
+  def f8_types, do: @f8
+  def emulated_types, do: @small_ints ++ @f8 ++ [{:c, 128}]
+
   @doc """
   Runs `fun` `cases` times, each under a fresh seed. A failing case (a
   failed assertion or any exception) fails the test with the command that

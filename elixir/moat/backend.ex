@@ -157,9 +157,10 @@ defmodule Moat.Backend do
   @enforce_keys [:ref]
   defstruct [:ref, device: :cpu]
 
-  @type t :: %__MODULE__{ref: Moat.Ref.t(), device: :cpu | :gpu}
+  @type t :: %__MODULE__{ref: Moat.Ref.t() | Moat.Compiler.Recorder.slot(), device: :cpu | :gpu}
 
   alias Moat.{Client, Ref}
+  alias Moat.Compiler.Recorder
   alias Nx.Tensor, as: T
 
   @impl true
@@ -562,10 +563,14 @@ defmodule Moat.Backend do
   # implementation runs, built from the callbacks above.
   @impl true
   def block(struct, output, args, fun) do
-    with :default <- elementwise_block(struct, output, args),
-         :default <- indexing_block(struct, output, args) do
-      apply(fun, [struct | args])
-    end
+    with :default <- native_block(struct, output, args), do: apply(fun, [struct | args])
+  end
+
+  @doc false
+  # The block as one worker op, or `:default` when Moat has none for it
+  # (Moat.Compiler then lowers the block's default implementation).
+  def native_block(struct, output, args) do
+    with :default <- elementwise_block(struct, output, args), do: indexing_block(struct, output, args)
   end
 
   @cumulative_blocks %{
@@ -652,6 +657,10 @@ defmodule Moat.Backend do
   # uploaded again. Emits [:moat, :fallback, :start | :stop | :exception] and
   # obeys `config :moat, fallback: :silent | :warn | :raise`.
   def via_binary(op, out, args, opts \\ []) do
+    # Inside Moat.Compiler's lowering there is nothing to copy yet: the op
+    # cannot be part of a program.
+    if Recorder.active?(), do: Recorder.unsupported!(op)
+
     meta = %{
       op: op,
       input_shapes: for(%T{shape: s} <- args, do: s),
@@ -730,8 +739,11 @@ defmodule Moat.Backend do
 
   # Sends one graph-building op and returns `out` bound to its result.
   # The common case, every input on one worker, skips multi_op's copying.
+  # While Moat.Compiler lowers a graph, the op becomes a step of its program
+  # instead (see Moat.Compiler.Recorder): the same name and attrs either way.
   defp op(%T{} = out, name, [%T{data: %__MODULE__{ref: %Ref{worker: worker}, device: device}} | _] = inputs, attrs) do
-    if Enum.all?(inputs, &match?(%T{data: %__MODULE__{ref: %Ref{worker: ^worker}}}, &1)) do
+    if Enum.all?(inputs, &match?(%T{data: %__MODULE__{ref: %Ref{worker: ^worker}}}, &1)) and
+         not Recorder.active?() do
       Moat.check_type!(out.type)
       conn = Client.conn(worker)
       ids = Client.ids!(conn, Enum.map(inputs, &ref/1), name)
@@ -757,6 +769,19 @@ defmodule Moat.Backend do
   # backends or workers are copied into the worker of the first Moat input;
   # those copies are released once the op holds them.
   defp multi_op(outs, name, inputs, attrs) when is_tuple(outs) do
+    if Recorder.active?(),
+      do: recorded(outs, name, inputs, attrs),
+      else: sent(outs, name, inputs, attrs)
+  end
+
+  defp recorded(outs, name, inputs, attrs) do
+    outs = Tuple.to_list(outs)
+    Enum.each(outs, &Moat.check_type!(&1.type))
+    slots = Recorder.record(name, inputs, attrs, length(outs))
+    outs |> Enum.zip_with(slots, &%{&1 | data: %__MODULE__{ref: &2}}) |> List.to_tuple()
+  end
+
+  defp sent(outs, name, inputs, attrs) do
     outs = Tuple.to_list(outs)
     Enum.each(outs, &Moat.check_type!(&1.type))
     {worker, device} = home(inputs)
@@ -791,6 +816,12 @@ defmodule Moat.Backend do
 
   # Sends one op without inputs (creation) to the worker named in `opts`.
   defp create(%T{} = out, name, attrs, opts) do
+    if Recorder.active?(),
+      do: elem(recorded({out}, name, [], attrs), 0),
+      else: sent_create(out, name, attrs, opts)
+  end
+
+  defp sent_create(out, name, attrs, opts) do
     device = device!(worker(opts), opts)
     conn = Client.conn(worker(opts))
     id = Client.new_id()

@@ -31,6 +31,9 @@ pub struct Program {
 }
 
 enum Step {
+    /// A small creation op (`constant`, `iota`, `eye`), evaluated once when
+    /// the program is defined: each run shares its arrays.
+    Literal { arrays: Vec<Array>, outs: Vec<usize> },
     Op {
         name: String,
         builder: Builder,
@@ -239,6 +242,9 @@ impl Parser {
                 if !arity.accepts(ins.len()) {
                     return Err(format!("{name} takes {arity} inputs, got {}", ins.len()));
                 }
+                if let Some(arrays) = literal(name, builder, attrs, outs.len()) {
+                    return Ok(Step::Literal { arrays, outs });
+                }
                 Ok(Step::Op {
                     name: name.to_string(),
                     builder,
@@ -249,6 +255,26 @@ impl Parser {
             }
         }
     }
+}
+
+/// Creation ops up to this size are evaluated once, when defined.
+const LITERAL_BYTES: usize = 64 << 10;
+
+/// The arrays of a creation op, evaluated, when it is small and builds;
+/// otherwise it stays a step (and fails, if it does, when it runs, as an
+/// eager op would).
+fn literal(name: &str, builder: Builder, attrs: &Term, outs: usize) -> Option<Vec<Array>> {
+    if !matches!(name, "constant" | "iota" | "eye") {
+        return None;
+    }
+    let arrays = builder(&[], attrs).ok()?;
+    let small = arrays.len() == outs && arrays.iter().all(|a| a.nbytes() <= LITERAL_BYTES);
+    if !small || Checks::default().outputs(&arrays).is_err() {
+        return None;
+    }
+    let refs: Vec<&Array> = arrays.iter().collect();
+    budget::evaluate(&refs).ok()?;
+    Some(arrays)
 }
 
 struct Run<'a> {
@@ -283,6 +309,11 @@ impl Run<'_> {
 
     fn step(&mut self, step: &Step) -> Result<(), Fail> {
         match step {
+            Step::Literal { arrays, outs } => {
+                let arrays = arrays.iter().map(share).collect::<Result<Vec<_>, Fail>>()?;
+                self.set(outs, arrays);
+                Ok(())
+            }
             Step::Op {
                 name,
                 builder,
@@ -306,19 +337,14 @@ impl Run<'_> {
                 pred,
                 body,
             } => {
-                let mut values = self.values(init, "while")?;
-                loop {
-                    self.set(state, values);
-                    self.steps(cond)?;
-                    if !truth(self.get(*pred, "while")?)? {
-                        break;
-                    }
+                let values = self.values(init, "while")?;
+                self.set(state, values);
+                let mut flag = self.condition(cond, *pred, state)?;
+                while read_flag(&flag, "while")? {
                     self.steps(&body.steps)?;
-                    values = self.values(&body.results, "while")?;
-                    // Each iteration's state is evaluated, so the graph does
-                    // not grow with the number of iterations.
-                    let refs: Vec<&Array> = values.iter().collect();
-                    budget::evaluate(&refs).map_err(|e| eval_failure("while", e))?;
+                    let values = self.values(&body.results, "while")?;
+                    self.set(state, values);
+                    flag = self.condition(cond, *pred, state)?;
                 }
                 let values = self.values(state, "while")?;
                 self.set(outs, values);
@@ -328,7 +354,7 @@ impl Run<'_> {
                 let mut chosen = last;
                 for (pred_steps, pred, branch) in clauses {
                     self.steps(pred_steps)?;
-                    if truth(self.get(*pred, "cond")?)? {
+                    if truth(self.get(*pred, "cond")?, "cond")? {
                         chosen = branch;
                         break;
                     }
@@ -339,6 +365,21 @@ impl Run<'_> {
                 Ok(())
             }
         }
+    }
+
+    /// Runs a while's condition on the current state, and evaluates the
+    /// condition's flag with the state in one evaluation: the state is
+    /// evaluated each iteration, so the graph does not grow with the
+    /// iterations, and the flag is then read without another.
+    fn condition(&mut self, cond: &[Step], pred: usize, state: &[usize]) -> Result<Array, Fail> {
+        self.steps(cond)?;
+        let flag = flag(self.get(pred, "while")?, "while")?;
+        let mut arrays = vec![&flag];
+        for slot in state {
+            arrays.push(self.get(*slot, "while")?);
+        }
+        budget::evaluate(&arrays).map_err(|e| eval_failure("while", e))?;
+        Ok(flag)
     }
 
     /// One op, through its builder and the checks an eager request passes.
@@ -362,17 +403,28 @@ fn eval_failure(op: &str, e: EvalError) -> Fail {
     }
 }
 
-/// Whether a scalar predicate is non-zero (as `Nx.to_number(pred) != 0`).
-fn truth(pred: &Array) -> Result<bool, Fail> {
-    let fail = |m: String| Failure::new("while", m);
-    let flag = ops::astype(pred, Dtype::Bool)
-        .and_then(|b| ops::astype(&b, Dtype::U8))
-        .map_err(|e| fail(e.message))?;
-    match budget::read::<u8>(&flag).map_err(fail)?.as_slice() {
+/// A predicate as u8 (`x != 0`), lazily.
+fn flag(pred: &Array, op: &str) -> Result<Array, Fail> {
+    let converted = match pred.dtype() {
+        Dtype::U8 => pred.share(),
+        _ => ops::astype(pred, Dtype::Bool).and_then(|b| ops::astype(&b, Dtype::U8)),
+    };
+    converted.map_err(|e| Failure::new(op, e.message))
+}
+
+/// Whether a scalar flag is non-zero (as `Nx.to_number(pred) != 0`).
+fn read_flag(flag: &Array, op: &str) -> Result<bool, Fail> {
+    let fail = |m: String| Failure::new(op, m);
+    match budget::read::<u8>(flag).map_err(fail)?.as_slice() {
         [v] => Ok(*v != 0),
         values => Err(fail(format!(
             "a condition must be a scalar, got {} values",
             values.len()
         ))),
     }
+}
+
+/// Whether a scalar predicate is non-zero.
+fn truth(pred: &Array, op: &str) -> Result<bool, Fail> {
+    read_flag(&flag(pred, op)?, op)
 }

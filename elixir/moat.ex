@@ -275,6 +275,16 @@ defmodule Moat do
         }
 
   @doc """
+  `Moat.Compiler`'s counts: `:programs` (programs held by `worker`'s current
+  incarnation), `:lowered` (jitted functions kept lowered), and, for this VM
+  since start, `:lowerings` (graphs lowered), `:defined` (programs sent to
+  a worker), `:replays` (program calls) and `:fallbacks` (graphs that ran
+  on `Nx.Defn.Evaluator`).
+  """
+  @spec compiler_info(atom()) :: %{atom() => non_neg_integer()}
+  def compiler_info(worker \\ Moat.Worker), do: Moat.Compiler.Cache.info(worker)
+
+  @doc """
   The worker's memory, in bytes: `:active` (live tensor buffers), `:peak`
   (the most `:active` reached since start or `reset_peak_memory/1`),
   `:cache` (freed buffers kept for reuse), `:limit`, `:cache_limit`, and

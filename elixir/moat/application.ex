@@ -5,6 +5,7 @@ defmodule Moat.Application do
   @impl true
   def start(_type, _args) do
     env = Application.get_all_env(:moat)
+    Moat.Compiler.Cache.init()
 
     children =
       if Keyword.get(env, :start_worker, true), do: [{Moat.Worker, name: Moat.Worker}], else: []

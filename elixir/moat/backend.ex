@@ -247,9 +247,10 @@ defmodule Moat.Backend do
   @enforce_keys [:ref]
   defstruct [:ref, device: :cpu]
 
-  @type t :: %__MODULE__{ref: Moat.Ref.t(), device: :cpu | :gpu}
+  @type t :: %__MODULE__{ref: Moat.Ref.t() | Moat.Compiler.Recorder.slot(), device: :cpu | :gpu}
 
   alias Moat.{Client, Ref, Types}
+  alias Moat.Compiler.Recorder
   alias Nx.Tensor, as: T
 
   @impl true
@@ -736,11 +737,14 @@ defmodule Moat.Backend do
 
   alias Nx.Block.LinAlg
 
-  defp native_block(%Nx.Block.LogicalNot{}, out, [t]), do: op(out, :logical_not, [t], %{type: out.type})
+  @doc false
+  # The block as one worker op, or `:default` when Moat has none for it
+  # (Moat.Compiler then lowers the block's default implementation).
+  def native_block(%Nx.Block.LogicalNot{}, out, [t]), do: op(out, :logical_not, [t], %{type: out.type})
 
-  defp native_block(%Nx.Block.Phase{}, out, [t]), do: op(out, :phase, [t], %{type: out.type})
+  def native_block(%Nx.Block.Phase{}, out, [t]), do: op(out, :phase, [t], %{type: out.type})
 
-  defp native_block(%Nx.Block.AllClose{} = o, out, [a, b]) do
+  def native_block(%Nx.Block.AllClose{} = o, out, [a, b]) do
     input_type =
       if Nx.Type.integer?(a.type) and Nx.Type.integer?(b.type),
         do: {:f, 64},
@@ -750,57 +754,57 @@ defmodule Moat.Backend do
     op(out, :all_close, [a, b], attrs)
   end
 
-  defp native_block(%block{axis: axis, reverse: reverse}, out, [t]) when is_map_key(@cumulative_blocks, block) do
+  def native_block(%block{axis: axis, reverse: reverse}, out, [t]) when is_map_key(@cumulative_blocks, block) do
     op(out, Map.fetch!(@cumulative_blocks, block), [t], %{axis: axis, reverse: flag(reverse), type: out.type})
   end
 
-  defp native_block(%Nx.Block.TopK{k: k}, {_, indices} = out, [t]) do
+  def native_block(%Nx.Block.TopK{k: k}, {_, indices} = out, [t]) do
     multi_op(out, :top_k, [t], %{k: k, index_type: indices.type})
   end
 
-  defp native_block(%Nx.Block.Take{axis: axis}, out, [tensor, indices]),
+  def native_block(%Nx.Block.Take{axis: axis}, out, [tensor, indices]),
     do: op(out, :take, [tensor, indices], %{axis: axis})
 
-  defp native_block(%Nx.Block.TakeAlongAxis{axis: axis}, out, [tensor, indices]),
+  def native_block(%Nx.Block.TakeAlongAxis{axis: axis}, out, [tensor, indices]),
     do: op(out, :take_along_axis, [tensor, indices], %{axis: axis})
 
   # MLX's decompositions are real (f32/f64); complex inputs take Nx's
   # default implementations (the last clause).
-  defp native_block(%LinAlg.QR{mode: mode, eps: eps}, {%T{type: {k, _}} = q, _} = out, [t]) when k != :c,
+  def native_block(%LinAlg.QR{mode: mode, eps: eps}, {%T{type: {k, _}} = q, _} = out, [t]) when k != :c,
     do: multi_op(out, :qr, [t], %{mode: mode, eps: eps, type: q.type})
 
-  defp native_block(%LinAlg.Cholesky{}, %T{type: {k, _}} = out, [t]) when k != :c,
+  def native_block(%LinAlg.Cholesky{}, %T{type: {k, _}} = out, [t]) when k != :c,
     do: op(out, :cholesky, [t], %{type: out.type})
 
-  defp native_block(%LinAlg.Eigh{eps: eps}, {%T{type: {k, _}}, v} = out, [t]) when k != :c,
+  def native_block(%LinAlg.Eigh{eps: eps}, {%T{type: {k, _}}, v} = out, [t]) when k != :c,
     do: multi_op(out, :eigh, [t], %{eps: eps, type: v.type})
 
-  defp native_block(%LinAlg.SVD{full_matrices?: full}, {%T{type: {k, _}} = u, _, _} = out, [t])
+  def native_block(%LinAlg.SVD{full_matrices?: full}, {%T{type: {k, _}} = u, _, _} = out, [t])
        when k != :c,
        do: multi_op(out, :svd, [t], %{full_matrices: flag(full), type: u.type})
 
-  defp native_block(%LinAlg.LU{}, {p, %T{type: {k, _}} = l, _} = out, [t]) when k != :c,
+  def native_block(%LinAlg.LU{}, {p, %T{type: {k, _}} = l, _} = out, [t]) when k != :c,
     do: multi_op(out, :lu, [t], %{p_type: p.type, type: l.type})
 
-  defp native_block(%LinAlg.Solve{}, %T{type: {k, _}} = out, [a, b]) when k != :c,
+  def native_block(%LinAlg.Solve{}, %T{type: {k, _}} = out, [a, b]) when k != :c,
     do: op(out, :solve, [a, b], %{type: out.type})
 
-  defp native_block(%LinAlg.Determinant{}, %T{type: {k, _}} = out, [t]) when k != :c,
+  def native_block(%LinAlg.Determinant{}, %T{type: {k, _}} = out, [t]) when k != :c,
     do: op(out, :determinant, [t], %{type: out.type})
 
-  defp native_block(%Nx.Block.FFT2{} = s, out, [t]),
+  def native_block(%Nx.Block.FFT2{} = s, out, [t]),
     do: op(out, :fft2, [t], %{axes: s.axes, lengths: s.lengths, eps: s.eps, type: out.type})
 
-  defp native_block(%Nx.Block.IFFT2{} = s, out, [t]),
+  def native_block(%Nx.Block.IFFT2{} = s, out, [t]),
     do: op(out, :ifft2, [t], %{axes: s.axes, lengths: s.lengths, eps: s.eps, type: out.type})
 
-  defp native_block(%Nx.Block.RFFT{} = s, out, [t]),
+  def native_block(%Nx.Block.RFFT{} = s, out, [t]),
     do: op(out, :rfft, [t], %{axis: s.axis, length: s.length, eps: s.eps, type: out.type})
 
-  defp native_block(%Nx.Block.IRFFT{} = s, out, [t]),
+  def native_block(%Nx.Block.IRFFT{} = s, out, [t]),
     do: op(out, :irfft, [t], %{axis: s.axis, length: s.length, eps: s.eps, type: out.type})
 
-  defp native_block(_struct, _output, _args), do: :default
+  def native_block(_struct, _output, _args), do: :default
 
   ## Fallbacks
 
@@ -809,6 +813,10 @@ defmodule Moat.Backend do
   # uploaded again. Emits [:moat, :fallback, :start | :stop | :exception] and
   # obeys `config :moat, fallback: :silent | :warn | :raise`.
   def via_binary(op, out, args, opts \\ []) do
+    # Inside Moat.Compiler's lowering there is nothing to copy yet: the op
+    # cannot be part of a program.
+    if Recorder.active?(), do: Recorder.unsupported!(op)
+
     # Tensors in lists (concatenate's, a block's arguments) count too.
     tensors = for %T{} = t <- List.flatten(args), do: t
     meta = %{op: op, input_shapes: Enum.map(tensors, & &1.shape), input_types: Enum.map(tensors, & &1.type)}
@@ -921,13 +929,16 @@ defmodule Moat.Backend do
   defp emulated_input?([]), do: false
 
   # The common case, every input on one worker, skips multi_op's copying.
+  # While Moat.Compiler lowers a graph, the op becomes a step of its program
+  # instead (see Moat.Compiler.Recorder): the same name and attrs either way.
   defp native_op(
          %T{} = out,
          name,
          [%T{data: %__MODULE__{ref: %Ref{worker: worker}, device: device}} | _] = inputs,
          attrs
        ) do
-    if Enum.all?(inputs, &match?(%T{data: %__MODULE__{ref: %Ref{worker: ^worker}}}, &1)) do
+    if Enum.all?(inputs, &match?(%T{data: %__MODULE__{ref: %Ref{worker: ^worker}}}, &1)) and
+         not Recorder.active?() do
       Moat.check_type!(out.type)
       conn = Client.conn(worker)
       ids = Client.ids!(conn, Enum.map(inputs, &ref/1), name)
@@ -969,6 +980,19 @@ defmodule Moat.Backend do
   end
 
   defp native_multi_op(outs, name, inputs, attrs) when is_tuple(outs) do
+    if Recorder.active?(),
+      do: recorded(outs, name, inputs, attrs),
+      else: sent(outs, name, inputs, attrs)
+  end
+
+  defp recorded(outs, name, inputs, attrs) do
+    outs = Tuple.to_list(outs)
+    Enum.each(outs, &Moat.check_type!(&1.type))
+    slots = Recorder.record(name, inputs, attrs, length(outs))
+    outs |> Enum.zip_with(slots, &%{&1 | data: %__MODULE__{ref: &2}}) |> List.to_tuple()
+  end
+
+  defp sent(outs, name, inputs, attrs) do
     outs = Tuple.to_list(outs)
     Enum.each(outs, &Moat.check_type!(&1.type))
     {worker, device} = home(inputs)
@@ -1003,6 +1027,12 @@ defmodule Moat.Backend do
 
   # Sends one op without inputs (creation) to the worker named in `opts`.
   defp create(%T{} = out, name, attrs, opts) do
+    if Recorder.active?(),
+      do: elem(recorded({out}, name, [], attrs), 0),
+      else: sent_create(out, name, attrs, opts)
+  end
+
+  defp sent_create(out, name, attrs, opts) do
     device = device!(worker(opts), opts)
     conn = Client.conn(worker(opts))
     id = Client.new_id()

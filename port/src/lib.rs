@@ -1,8 +1,9 @@
 //! Moat's MLX worker. `main.rs` wires the threads; the modules follow the
 //! layers of protocol.md: `term` and `frame` (bytes), `protocol` (typed
 //! headers), `connection` (reader and writer threads), `session` (the MLX
-//! thread), `failure` (failures as data), `checks` (what every op's outputs must pass), `registry` (ids to
-//! arrays), `budget` (the memory limit), `shared` (same-host transfers
+//! thread), `failure` (failures as data), `checks` (what every op's outputs
+//! must pass), `registry` (ids to arrays), `program` (graphs defined once and
+//! run many times), `budget` (the memory limit), `shared` (same-host transfers
 //! through shared memory), `ops` (the op table), `mlx` (the safe layer over
 //! the C++ shim) and `sys` (OS calls).
 
@@ -15,6 +16,7 @@ pub mod fault;
 pub mod frame;
 pub mod mlx;
 pub mod ops;
+pub mod program;
 pub mod protocol;
 pub mod registry;
 // Its request handlers are named after the protocol's ops (`from_binary`, `to_binary`).

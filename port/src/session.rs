@@ -6,6 +6,7 @@ use crate::checks::Checks;
 use crate::connection::{Incoming, Outgoing, Replies, Upload};
 use crate::mlx::{Array, Evaluated};
 use crate::ops;
+use crate::program::Programs;
 use crate::protocol::{self, Id, Malformed, Request};
 use crate::registry::{Failure, Registry};
 use crate::term::Term;
@@ -14,6 +15,7 @@ use std::collections::HashMap;
 use std::rc::Rc;
 
 mod memory_calls;
+mod program_calls;
 
 /// The requests served outside the op table (`ops`), by the reader thread
 /// (`connection`) or by the `match` in `Session::request`. With the table's
@@ -54,6 +56,8 @@ pub struct Session {
     /// Readbacks the client reads from this process's memory (`to_binary`
     /// with `pin`), held until it releases them.
     pins: HashMap<Id, Evaluated>,
+    /// Programs defined by `define_program`, by id.
+    programs: Programs,
     shared_memory: bool,
     out: Replies,
     processed: u64,
@@ -68,6 +72,7 @@ impl Session {
             checks: Checks::default(),
             registry: Registry::default(),
             pins: HashMap::new(),
+            programs: Programs::default(),
             shared_memory: false,
             out,
             processed: 0,
@@ -180,6 +185,7 @@ impl Session {
             "memory_info" | "reset_peak_memory" | "clear_cache" | "set_memory_limit" | "set_cache_limit" => {
                 self.memory_call(&req)
             }
+            "define_program" | "run_program" | "release_program" => self.program_call(&req),
             _ => self.build(&req),
         }
     }

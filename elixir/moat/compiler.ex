@@ -1,0 +1,225 @@
+defmodule Moat.Compiler do
+  @moduledoc """
+  A `Nx.Defn.Compiler` that runs a whole `defn` graph in the worker as one
+  cached program.
+
+      Nx.Defn.global_default_options(compiler: Moat.Compiler)
+
+      fun = Nx.Defn.jit(&MyModel.predict/2, compiler: Moat.Compiler)
+      fun = Nx.Defn.compile(&MyModel.predict/2, templates, compiler: Moat.Compiler)
+
+  The graph is lowered once (per function, argument shapes and types, and
+  options) into a program: a list of ops over numbered slots, with
+  parameters and outputs. The worker keeps the program; a call sends one
+  frame (the program's id, the input ids and the output ids, which the
+  client picks, as for every op), so it is fire-and-forget like an eager
+  op, and only reading a result waits. Programs are cached by structure
+  (ops, attributes, shapes and types), not by function: two functions, or
+  two layers, of the same structure share one program.
+
+  ## What is lowered
+
+  Every node becomes the op that `Moat.Backend` sends for it in eager mode,
+  with the same attributes (the lowering calls the backend's callbacks,
+  which record instead of sending), so a program computes exactly what
+  `Nx.Defn.Evaluator` computes on `Moat.Backend`, and every check of the
+  eager path (indices, integer divisors, element counts, the memory limit)
+  holds inside programs. A failing op poisons the call's outputs, and
+  reading one raises a `Moat.Error` naming that op, as in eager mode.
+
+    * every `Nx.Backend` callback Moat runs natively, and `Nx.block/4`s
+      (natively where Moat has an op for the block, else its default
+      implementation, lowered in the program too);
+    * `while`: the loop runs in the worker, which evaluates the condition
+      (and each iteration's state) itself, with no round trip per iteration;
+    * `cond`: the worker evaluates the predicates and runs the chosen branch;
+    * tensors the graph captures (literals, tensors of a closure) become
+      extra inputs of the program, copied into the worker at each call when
+      they live elsewhere;
+    * containers (tuples, maps) as inputs and outputs, vectorized
+      tensors, and `Nx.Defn.grad/2` and `value_and_grad/3` (which Nx
+      expands before the compiler sees the graph).
+
+  ## What falls back
+
+  A graph that holds a node a program cannot run — a user function
+  (`Nx.reduce/4`, `Nx.window_reduce/5`), an op that Moat.Backend runs on
+  Nx.BinaryBackend (convolutions of more than 3 spatial axes, complex
+  `triangular_solve`), `hook`/tokens (`print_value`, `print_expr`) or
+  `runtime_call` — runs as a whole through `Nx.Defn.Evaluator` on
+  `Moat.Backend`, after emitting `[:moat, :compiler, :fallback]` telemetry
+  (metadata `:op`), or raises with `on_unsupported: :raise`. Its results
+  are the evaluator's: nothing changes silently.
+
+  ## Options
+
+    * `:worker` - the `Moat.Worker` to run on (default `Moat.Worker`);
+      inputs on other workers or backends are copied there
+    * `:device` - `:cpu` (default)
+    * `:on_unsupported` - `:evaluate` (default) or `:raise`, see above
+    * `:max_concurrency` - partitions for `Nx.Serving` (default 1)
+    * `:hooks` - hooks, for graphs that fall back to the evaluator
+
+  ## Caches and restarts
+
+  `config :moat, max_programs: 256` bounds the programs each worker holds
+  and the lowered functions `Nx.Defn.jit/2` keeps; the least recently used
+  go first (a program evicted from the worker is defined again on its next
+  call). After a worker restart, the next call of a jitted or compiled
+  function defines its program in the new worker, transparently: a closure
+  from `Nx.Defn.compile/3` stays usable. `Moat.compiler_info/1` counts
+  programs, lowerings, replays and fallbacks.
+
+  ## Telemetry
+
+    * `[:moat, :compile, :start | :stop]` around each lowering, with
+      `:cache` (`:hit` when the worker already held a program of that
+      structure, else `:miss`), `:program_size` (steps, nested ones
+      included) and `:fallback` (the unsupported op, or nil) on `:stop`
+    * `[:moat, :compiler, :fallback]` when a graph falls back (see above)
+  """
+
+  @behaviour Nx.Defn.Compiler
+
+  alias Moat.Compiler.{Cache, Lower}
+  alias Moat.{Client, Ref}
+  alias Nx.Defn.Composite
+  alias Nx.Tensor, as: T
+
+  @impl true
+  def __partitions_options__(opts), do: List.duplicate(opts, Keyword.get(opts, :max_concurrency, 1))
+
+  @impl true
+  def __to_backend__(opts) do
+    opts = options(opts)
+    {Moat.Backend, worker: opts[:worker], device: opts[:device]}
+  end
+
+  @impl true
+  def __jit__(key, vars, fun, args_list, opts) do
+    opts = options(opts)
+    lowered_key = {key, templates(vars), opts}
+    compiled = Cache.lowered(lowered_key, fn -> build(vars, fun, opts) end)
+    source = fn -> Cache.source(lowered_key) end
+    Enum.map(args_list, &run(compiled, &1, source))
+  end
+
+  @impl true
+  def __compile__(_key, vars, fun, opts) do
+    opts = options(opts)
+    {compiled, program} = build(vars, fun, opts)
+    source = fn -> program end
+    fn args_list -> Enum.map(args_list, &run(compiled, &1, source)) end
+  end
+
+  defp options(opts) do
+    opts = Keyword.take(opts, [:worker, :device, :on_unsupported, :max_concurrency, :hooks])
+    opts = Keyword.merge([worker: Moat.Worker, device: :cpu, on_unsupported: :evaluate], opts)
+
+    unless opts[:on_unsupported] in [:evaluate, :raise] do
+      raise ArgumentError,
+            "Moat.Compiler: :on_unsupported must be :evaluate or :raise, got #{inspect(opts[:on_unsupported])}"
+    end
+
+    opts
+  end
+
+  defp templates(vars) do
+    for %T{shape: s, type: t, names: n, vectorized_axes: v} <- Composite.flatten_list(vars), do: {s, t, n, v}
+  end
+
+  ## Lowering
+
+  # Builds the graph, lowers it and defines its program in the worker;
+  # returns the compiled function and its program term (nil on fallback).
+  defp build(vars, fun, opts) do
+    :telemetry.span([:moat, :compile], %{worker: opts[:worker]}, fn ->
+      result = fun.(vars)
+      expr = Composite.traverse(result, &Nx.devectorize/1)
+      output = Composite.traverse(result, &Nx.to_template/1)
+      Cache.count_lowering()
+
+      case Lower.lower(expr) do
+        {:ok, program, used, captures} ->
+          compiled = %{
+            kind: :program,
+            digest: :erlang.md5(:erlang.term_to_binary(program)),
+            used: used,
+            captures: captures,
+            output: output,
+            outputs: length(program.outputs),
+            worker: opts[:worker],
+            device: opts[:device]
+          }
+
+          {_id, cache} = Cache.program(Client.conn(opts[:worker]), compiled.digest, fn -> program end)
+          {{compiled, program}, %{cache: cache, program_size: size(program.steps), fallback: nil}}
+
+        {:unsupported, op} ->
+          {{fallback(op, vars, result, opts), nil}, %{cache: :miss, program_size: 0, fallback: op}}
+      end
+    end)
+  end
+
+  defp size(steps) do
+    Enum.reduce(steps, 0, fn
+      {:while, _, _, %{cond: c, body: b}}, n ->
+        n + 1 + size(c) + size(b)
+
+      {:cond, _, _, %{clauses: cs, last: {l, _}}}, n ->
+        n + 1 + size(l) + Enum.sum(for {p, _, s, _} <- cs, do: size(p) + size(s))
+
+      _op, n ->
+        n + 1
+    end)
+  end
+
+  defp fallback(op, vars, result, opts) do
+    if opts[:on_unsupported] == :raise do
+      raise ArgumentError,
+            "Moat.Compiler: #{op} cannot run in a program (on_unsupported: :raise); " <>
+              "without that option the function runs on Nx.Defn.Evaluator"
+    end
+
+    :telemetry.execute([:moat, :compiler, :fallback], %{}, %{op: op, worker: opts[:worker]})
+    Cache.count(:fallback)
+    evaluator_opts = Keyword.take(opts, [:hooks])
+    fun = Nx.Defn.Evaluator.__compile__(nil, vars, fn _vars -> result end, evaluator_opts)
+    %{kind: :evaluator, fun: fun, worker: opts[:worker], device: opts[:device]}
+  end
+
+  ## Running
+
+  defp run(%{kind: :evaluator, fun: fun} = c, args, _source) do
+    Nx.with_default_backend({Moat.Backend, worker: c.worker, device: c.device}, fn ->
+      [result] = fun.([args])
+      result
+    end)
+  end
+
+  defp run(%{kind: :program} = c, args, source) do
+    conn = Client.conn(c.worker)
+    {id, _} = Cache.program(conn, c.digest, source)
+    args = List.to_tuple(args)
+    tensors = Enum.map(c.used, &Nx.devectorize(elem(args, &1).())) ++ c.captures
+    moved = Enum.map(tensors, &to_worker(&1, c.worker, c.device))
+    ins = Client.ids!(conn, Enum.map(moved, & &1.data.ref), :run_program)
+    outs = Client.new_ids(c.outputs)
+    # Handles exist before the frame that defines their ids (see Moat.Client.ref/2).
+    refs = Enum.map(outs, &Client.ref(conn, &1))
+    if outs != [], do: Client.cast(conn, :run_program, outs, ins, id)
+    Cache.count(:replay)
+
+    for {m, t} <- Enum.zip(moved, tensors), m != t, do: Nx.backend_deallocate(m)
+
+    {result, []} =
+      Composite.traverse(c.output, refs, fn template, [ref | rest] ->
+        {%{template | data: %Moat.Backend{ref: ref, device: c.device}}, rest}
+      end)
+
+    result
+  end
+
+  defp to_worker(%T{data: %Moat.Backend{ref: %Ref{worker: worker}}} = t, worker, _device), do: t
+  defp to_worker(%T{} = t, worker, device), do: Nx.backend_copy(t, {Moat.Backend, worker: worker, device: device})
+end

@@ -1,0 +1,230 @@
+//! Programs (protocol.md §6, "Programs"): defined once, run as one
+//! fire-and-forget frame, with `while` and `cond` evaluated in the worker
+//! and every eager guard holding inside them.
+
+mod common;
+
+use common::*;
+use moat_port::protocol::map;
+use moat_port::term::Term;
+
+fn step(op: &str, ins: &[u64], outs: &[u64], attrs: Term) -> Term {
+    Term::tuple(vec![Term::atom(op), ids(ins), ids(outs), attrs])
+}
+
+fn program(id: u64, slots: u64, inputs: &[u64], outputs: &[u64], steps: Vec<Term>) -> Term {
+    map(vec![
+        ("id", Term::int(id)),
+        ("slots", Term::int(slots)),
+        ("inputs", ids(inputs)),
+        ("outputs", ids(outputs)),
+        ("steps", Term::List(steps)),
+    ])
+}
+
+/// Sends a call and returns its reply header.
+fn call(w: &mut Worker, seq: u64, op: &str, attrs: Term) -> Term {
+    w.request(seq, op, &[], &[], attrs);
+    w.recv().0
+}
+
+fn assert_ok(reply: &Term) {
+    assert_eq!(reply.as_tuple().and_then(|t| t[0].as_atom()), Some("ok"), "{reply}");
+}
+
+fn f32_scalar(v: f32) -> Term {
+    map(vec![
+        ("shape", Term::nil()),
+        ("type", ty("f", 32)),
+        ("value", Term::Binary(v.to_le_bytes().to_vec())),
+    ])
+}
+
+#[test]
+fn a_program_is_defined_once_and_replayed() {
+    let mut w = Worker::start(&[]);
+    let steps = vec![
+        step("multiply", &[0, 0], &[1], typed("f", 32)),
+        step("add", &[1, 0], &[2], typed("f", 32)),
+    ];
+    assert_ok(&call(&mut w, 1, "define_program", program(7, 3, &[0], &[2], steps)));
+    w.upload_f32(1, &[3], &[1.0, 2.0, 3.0]);
+    w.upload_f32(2, &[2], &[-1.0, 0.5]);
+    w.request(0, "run_program", &[10], &[1], Term::int(7));
+    w.request(0, "run_program", &[11], &[2], Term::int(7));
+    assert_eq!(w.read_f32(2, 10), vec![2.0, 6.0, 12.0]);
+    assert_eq!(w.read_f32(3, 11), vec![0.0, 0.75]);
+
+    // An id already defined is refused, and so is a second definition.
+    let reply = call(&mut w, 4, "define_program", program(7, 1, &[0], &[0], vec![]));
+    assert!(
+        error_parts(&reply).1.contains("program 7 is already defined"),
+        "{reply}"
+    );
+
+    // Released, a program is unknown: its outputs are poisoned.
+    w.request(0, "release_program", &[], &[], ids(&[7]));
+    w.request(0, "run_program", &[12], &[1], Term::int(7));
+    let (op, message) = error_parts(&w.read(5, 12).unwrap_err());
+    assert_eq!(op, "run_program");
+    assert!(message.contains("program 7 is not defined"), "{message}");
+}
+
+#[test]
+fn bad_programs_are_refused_when_defined() {
+    let mut w = Worker::start(&[]);
+    let cases = [
+        (
+            program(1, 2, &[0], &[1], vec![step("frobnicate", &[0], &[1], nil())]),
+            "unknown op frobnicate",
+        ),
+        (
+            program(1, 2, &[0], &[1], vec![step("add", &[0], &[1], nil())]),
+            "add takes 2 inputs, got 1",
+        ),
+        (program(1, 2, &[0], &[5], vec![]), "bad slot 5"),
+        (program(1, 1 << 40, &[0], &[0], vec![]), "slots must be an integer"),
+        (map(vec![("id", Term::int(1))]), "missing attribute slots"),
+    ];
+    for (seq, (attrs, expected)) in cases.into_iter().enumerate() {
+        let reply = call(&mut w, seq as u64 + 1, "define_program", attrs);
+        let (op, message) = error_parts(&reply);
+        assert_eq!(op, "define_program");
+        assert!(message.contains(expected), "{message}");
+    }
+    // Counts that do not match the program poison the outputs.
+    assert_ok(&call(&mut w, 9, "define_program", program(2, 1, &[0], &[0], vec![])));
+    w.upload_f32(1, &[1], &[1.0]);
+    w.request(0, "run_program", &[3], &[1, 1], Term::int(2));
+    let (_, message) = error_parts(&w.read(10, 3).unwrap_err());
+    assert!(message.contains("takes 1 inputs and gives 1 outputs"), "{message}");
+}
+
+/// `while {i = 0, acc = x}, i < n, do: {i + 1, acc * 2}`, then `acc`.
+fn doubling_loop(id: u64) -> Term {
+    let s32 = |v: i32| {
+        map(vec![
+            ("shape", Term::nil()),
+            ("type", ty("s", 32)),
+            ("value", Term::Binary(v.to_le_bytes().to_vec())),
+        ])
+    };
+    let less = map(vec![("input_type", ty("s", 32)), ("type", ty("u", 8))]);
+    let body = map(vec![
+        ("state", ids(&[3, 4])),
+        ("cond", Term::List(vec![step("less", &[3, 1], &[5], less)])),
+        ("pred", Term::int(5)),
+        (
+            "body",
+            Term::List(vec![
+                step("constant", &[], &[6], s32(1)),
+                step("add", &[3, 6], &[7], typed("s", 32)),
+                step("constant", &[], &[8], f32_scalar(2.0)),
+                step("multiply", &[4, 8], &[9], typed("f", 32)),
+            ]),
+        ),
+        ("results", ids(&[7, 9])),
+    ]);
+    let steps = vec![
+        step("constant", &[], &[2], s32(0)),
+        step("while", &[2, 0], &[10, 11], body),
+    ];
+    program(id, 12, &[0, 1], &[11, 10], steps)
+}
+
+#[test]
+fn while_loops_run_in_the_worker() {
+    let mut w = Worker::start(&[]);
+    assert_ok(&call(&mut w, 1, "define_program", doubling_loop(3)));
+    w.upload_f32(1, &[2], &[1.0, -0.5]);
+    w.upload(2, &[], "s", 32, &i32_bytes(&[10]));
+    w.upload(3, &[], "s", 32, &i32_bytes(&[0]));
+    w.request(0, "run_program", &[20, 21], &[1, 2], Term::int(3));
+    w.request(0, "run_program", &[22, 23], &[1, 3], Term::int(3));
+    assert_eq!(w.read_f32(2, 20), vec![1024.0, -512.0]);
+    assert_eq!(i32_values(&w.read_bytes(3, 21)), vec![10]);
+    // A loop whose condition is false at once leaves its state unchanged.
+    assert_eq!(w.read_f32(4, 22), vec![1.0, -0.5]);
+}
+
+#[test]
+fn cond_picks_its_branch_in_the_worker() {
+    let mut w = Worker::start(&[]);
+    // cond: sum(x) > 0 -> x * 10; true -> x - 10
+    let sum = map(vec![
+        ("axes", ints(&[0])),
+        ("keep_axes", Term::atom("false")),
+        ("type", ty("f", 32)),
+    ]);
+    let greater = map(vec![("input_type", ty("f", 32)), ("type", ty("u", 8))]);
+    let clause = Term::tuple(vec![
+        Term::List(vec![
+            step("sum", &[0], &[1], sum),
+            step("constant", &[], &[2], f32_scalar(0.0)),
+            step("greater", &[1, 2], &[3], greater),
+        ]),
+        Term::int(3),
+        Term::List(vec![
+            step("constant", &[], &[4], f32_scalar(10.0)),
+            step("multiply", &[0, 4], &[5], typed("f", 32)),
+        ]),
+        ids(&[5]),
+    ]);
+    let last = Term::tuple(vec![
+        Term::List(vec![
+            step("constant", &[], &[6], f32_scalar(10.0)),
+            step("subtract", &[0, 6], &[7], typed("f", 32)),
+        ]),
+        ids(&[7]),
+    ]);
+    let attrs = map(vec![("clauses", Term::List(vec![clause])), ("last", last)]);
+    let steps = vec![step("cond", &[], &[8], attrs)];
+    assert_ok(&call(&mut w, 1, "define_program", program(4, 9, &[0], &[8], steps)));
+    w.upload_f32(1, &[2], &[1.0, 2.0]);
+    w.upload_f32(2, &[2], &[-1.0, -2.0]);
+    w.request(0, "run_program", &[10], &[1], Term::int(4));
+    w.request(0, "run_program", &[11], &[2], Term::int(4));
+    assert_eq!(w.read_f32(2, 10), vec![10.0, 20.0]);
+    assert_eq!(w.read_f32(3, 11), vec![-11.0, -12.0]);
+}
+
+#[test]
+fn a_failing_step_poisons_the_outputs_and_names_its_op() {
+    let mut w = Worker::start(&[]);
+    let steps = vec![
+        step("gather", &[0, 1], &[2], map(vec![("axes", ints(&[0]))])),
+        step("negate", &[2], &[3], typed("f", 32)),
+    ];
+    assert_ok(&call(&mut w, 1, "define_program", program(5, 4, &[0, 1], &[3], steps)));
+    w.upload_f32(1, &[2], &[1.0, 2.0]);
+    w.upload(2, &[2, 1], "s", 32, &i32_bytes(&[1, 1_000_000_000]));
+    w.upload(3, &[2, 1], "s", 32, &i32_bytes(&[1, 0]));
+    w.request(0, "run_program", &[10], &[1, 2], Term::int(5));
+    let (op, message) = error_parts(&w.read(2, 10).unwrap_err());
+    assert_eq!(op, "gather");
+    assert!(message.contains("out of bounds"), "{message}");
+    // The worker and the program carry on.
+    w.request(0, "run_program", &[11], &[1, 3], Term::int(5));
+    assert_eq!(w.read_f32(3, 11), vec![-2.0, -1.0]);
+    // A poisoned input poisons the outputs with its own failure.
+    w.request(0, "run_program", &[12], &[10, 3], Term::int(5));
+    assert_eq!(error_parts(&w.read(4, 12).unwrap_err()).0, "gather");
+}
+
+#[test]
+fn the_memory_limit_holds_inside_programs() {
+    let mut w = Worker::start(&[]);
+    w.request(1, "set_memory_limit", &[], &[], Term::int(1 << 20));
+    w.recv();
+    let broadcast = map(vec![("shape", ints(&[1 << 20])), ("axes", ints(&[]))]);
+    let steps = vec![
+        step("broadcast", &[0], &[1], broadcast),
+        step("negate", &[1], &[2], typed("f", 32)),
+    ];
+    assert_ok(&call(&mut w, 2, "define_program", program(6, 3, &[0], &[2], steps)));
+    w.upload_f32(1, &[], &[1.0]);
+    w.request(0, "run_program", &[10], &[1], Term::int(6));
+    let (op, message) = error_parts(&w.read(3, 10).unwrap_err());
+    assert_eq!(op, "negate");
+    assert!(message.contains("memory limit exceeded"), "{message}");
+}

@@ -1,0 +1,201 @@
+defmodule Moat.CompilerTest do
+  # Moat.Compiler against Nx.Defn.Evaluator, both on Moat.Backend: every
+  # function of the corpus (and its gradient) gives the same bits, in the
+  # same containers.
+  use ExUnit.Case, async: false
+  import Moat.Case
+
+  alias Moat.CompilerCorpus, as: C
+  alias Nx.Defn.Composite
+
+  setup do
+    Nx.default_backend(Moat.Backend)
+    :ok
+  end
+
+  defp t(data, opts \\ []), do: Nx.tensor(data, opts)
+
+  defp random(shape, seed) do
+    {t, _} = Nx.Random.normal(Nx.Random.key(seed), shape: shape)
+    t
+  end
+
+  defp jit(fun, opts \\ []), do: Nx.Defn.jit(fun, Keyword.put_new(opts, :compiler, Moat.Compiler))
+  defp evaluate(fun), do: Nx.Defn.jit(fun, compiler: Nx.Defn.Evaluator)
+
+  defp assert_same(compiled, evaluated) do
+    flat = fn c -> Composite.flatten_list([c]) end
+    assert length(flat.(compiled)) == length(flat.(evaluated))
+
+    for {c, e} <- Enum.zip(flat.(compiled), flat.(evaluated)) do
+      assert {c.shape, c.type, c.names, c.vectorized_axes} == {e.shape, e.type, e.names, e.vectorized_axes}
+      assert Nx.to_binary(Nx.devectorize(c)) == Nx.to_binary(Nx.devectorize(e))
+    end
+
+    # The containers have the same structure.
+    assert Composite.traverse(compiled, fn _ -> 0 end) == Composite.traverse(evaluated, fn _ -> 0 end)
+  end
+
+  defp assert_equivalent(fun, args) do
+    assert_same(apply(jit(fun), args), apply(evaluate(fun), args))
+  end
+
+  # The gradient of the sum of every float output, by the first argument.
+  defp grad_of(fun) do
+    arity = Function.info(fun, :arity) |> elem(1)
+
+    case arity do
+      1 -> fn a -> Nx.Defn.grad(a, &total(fun.(&1))) end
+      2 -> fn a, b -> Nx.Defn.grad(a, &total(fun.(&1, b))) end
+      5 -> fn a, b, c, d, e -> Nx.Defn.grad(a, &total(fun.(&1, b, c, d, e))) end
+    end
+  end
+
+  defp total(container) do
+    container
+    |> then(&Composite.flatten_list([&1]))
+    |> Enum.filter(&Nx.Type.float?(&1.type))
+    |> Enum.map(&Nx.sum/1)
+    |> Enum.reduce(&Nx.add/2)
+  end
+
+  @corpus [
+    {"element-wise chain", &C.elementwise/2, [[{3, 4}, {3, 4}]], true},
+    {"reductions", &C.reductions/1, [[{4, 5}]], true},
+    {"dot", &C.dot/2, [[{3, 4}, {5, 4}]], true},
+    {"conv and window", &C.conv/2, [[{1, 2, 6, 6}, {3, 2, 3, 3}]], true},
+    {"slicing, put_slice, pad, concatenate", &C.slicing/1, [[{3, 4}]], true},
+    {"sorting and top_k", &C.sorting/1, [[{3, 5}]], true},
+    {"while over a tuple, 1000 iterations", &C.while_tuple/1, [[{4}]], true},
+    {"cond", &C.conds/1, [[{4}]], true},
+    {"a value shared by cond and its parent", &C.cond_shared/1, [[{4}]], true},
+    {"the MLP", &C.mlp/5, [[{8, 16}, {16, 12}, {12}, {12, 4}, {4}]], true},
+    {"QR, Cholesky, determinant (native blocks)", &C.linalg/1, [[{3, 3}]], false},
+    {"100 tiny element-wise ops", &C.tiny_chain/1, [[{4}]], true}
+  ]
+
+  for {name, fun, [shapes], grad?} <- @corpus do
+    @fun fun
+    @shapes shapes
+
+    test "#{name}: compiled equals evaluated" do
+      args = @shapes |> Enum.with_index() |> Enum.map(fn {s, i} -> random(s, i) end)
+      assert_equivalent(@fun, args)
+    end
+
+    if grad? do
+      test "#{name}: its gradient, compiled, equals evaluated" do
+        args = @shapes |> Enum.with_index() |> Enum.map(fn {s, i} -> random(s, i + 10) end)
+        assert_equivalent(grad_of(@fun), args)
+      end
+    end
+  end
+
+  test "cond takes each branch" do
+    for x <- [t([60.0, 50.0]), t([1.0, 2.0]), t([-1.0, -2.0])] do
+      assert_equivalent(&C.conds/1, [x])
+      assert_equivalent(&C.cond_shared/1, [x])
+    end
+  end
+
+  test "dynamic slices, gathers and indexed ops" do
+    a = random({4, 3}, 1)
+
+    for i <- [0, 2, 7] do
+      assert_equivalent(&C.dynamic_slice/2, [a, t(i)])
+    end
+
+    assert_equivalent(&C.gathers/2, [a, t([2, 0])])
+    assert_equivalent(grad_of(&C.gathers/2), [a, t([2, 0])])
+  end
+
+  test "integer division and bit ops" do
+    assert_equivalent(&C.integers/2, [t([7, -7, 9, 100]), t([2, 3, -4, 7])])
+  end
+
+  test "maps and tuples as inputs and outputs" do
+    input = %{a: random({2, 3}, 1), b: {random({2, 3}, 2), random({3}, 3)}}
+    assert_equivalent(&C.containers/1, [input])
+    result = jit(&C.containers/1).(input)
+    assert %{sum: %Nx.Tensor{}, pair: {%Nx.Tensor{}, %Nx.Tensor{shape: {}}}} = result
+  end
+
+  test "vectorized inputs" do
+    x = Nx.iota({3, 4}, type: :f32) |> Nx.vectorize(:rows)
+    y = Nx.iota({4}, type: :f32)
+    fun = fn x, y -> {Nx.sum(Nx.multiply(x, y)), Nx.add(Nx.exp(x), y)} end
+    assert_equivalent(fun, [x, y])
+    {sum, _} = jit(fun).(x, y)
+    assert sum.vectorized_axes == [rows: 3]
+  end
+
+  test "inputs on other backends, literals and captured tensors" do
+    # Nx inlines a closure's tensors copied to Nx.BinaryBackend.
+    captured = Nx.backend_copy(t([10.0, 20.0]))
+    binary = Nx.tensor([1.0, 2.0], backend: Nx.BinaryBackend)
+    fun = fn x -> Nx.add(x, captured) |> Nx.multiply(Nx.tensor([3.0, 4.0])) end
+    assert Nx.to_flat_list(jit(fun).(binary)) == [33.0, 88.0]
+    assert_equivalent(fun, [binary])
+  end
+
+  test "compile/3: a held closure replays, each call one frame" do
+    template = Nx.template({4}, :f32)
+    fun = Nx.Defn.compile(&C.elementwise/2, [template, template], compiler: Moat.Compiler)
+    a = random({4}, 1)
+    b = random({4}, 2)
+    assert_same(fun.(a, b), evaluate(&C.elementwise/2).(a, b))
+
+    conn = Moat.Client.conn()
+    # Sent frames (see Moat.Client's counters): a replay is one frame.
+    sent = fn -> :atomics.get(conn.counters, 2) end
+    before = sent.()
+    result = fun.(a, b)
+    assert sent.() - before == 1
+    assert_same(result, evaluate(&C.elementwise/2).(a, b))
+  end
+
+  test "structurally equal functions share one program; telemetry says so" do
+    forward_events([[:moat, :compile, :stop]])
+    x = random({7, 3}, 1)
+    jit(fn a -> Nx.exp(a) |> Nx.sum(axes: [0]) end).(x)
+    assert_receive {:telemetry, _, _, %{cache: :miss, program_size: 2}}
+    programs = Moat.compiler_info().programs
+    jit(fn b -> Nx.sum(Nx.exp(b), axes: [0]) end).(x)
+    assert_receive {:telemetry, _, _, %{cache: :hit, program_size: 2}}
+    assert Moat.compiler_info().programs == programs
+  end
+
+  test "reduce with a user function falls back to the evaluator, or raises" do
+    forward_events([[:moat, :compiler, :fallback]])
+    fun = fn x -> Nx.reduce(x, 0, fn a, b -> Nx.add(a, b) end) |> Nx.multiply(2) end
+    x = t([1, 2, 3])
+    assert Nx.to_number(jit(fun).(x)) == 12
+    assert_receive {:telemetry, [:moat, :compiler, :fallback], _, %{op: :reduce}}
+    assert_equivalent(fun, [x])
+
+    assert_raise ArgumentError, ~r/reduce cannot run in a program/, fn ->
+      jit(fun, on_unsupported: :raise).(x)
+    end
+  end
+
+  test "hooks run through the evaluator" do
+    parent = self()
+    fun = fn x -> x |> Nx.multiply(2) |> Nx.Defn.Kernel.hook(:seen, &send(parent, {:hook, &1})) end
+    assert Nx.to_flat_list(jit(fun).(t([1.0, 2.0]))) == [2.0, 4.0]
+    assert_receive {:hook, hooked}
+    assert Nx.to_flat_list(hooked) == [2.0, 4.0]
+  end
+
+  test "Nx.Serving runs jitted functions" do
+    serving = Nx.Serving.jit(&C.elementwise(&1, &1), compiler: Moat.Compiler)
+    batch = Nx.Batch.stack([t([1.0, 2.0]), t([3.0, 4.0])])
+    result = Nx.Serving.run(serving, batch)
+    expected = evaluate(&C.elementwise(&1, &1)).(Nx.stack([t([1.0, 2.0]), t([3.0, 4.0])]))
+    assert Nx.to_binary(result) == Nx.to_binary(expected)
+  end
+
+  test "Moat.Compiler's backend and partitions" do
+    assert Moat.Compiler.__to_backend__(worker: :w) == {Moat.Backend, worker: :w, device: :cpu}
+    assert length(Moat.Compiler.__partitions_options__(max_concurrency: 3)) == 3
+  end
+end

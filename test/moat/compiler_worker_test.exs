@@ -1,0 +1,78 @@
+defmodule Moat.CompilerWorkerTest do
+  # Moat.Compiler on a private worker: guards inside programs, restarts,
+  # and the bound on programs held.
+  use ExUnit.Case, async: false
+  @moduletag :capture_log
+  import Moat.Case
+
+  alias Moat.Error
+
+  @worker :compiler_worker
+
+  setup do
+    start_worker(@worker)
+    %{pid: os_pid(@worker)}
+  end
+
+  defp moat(t), do: Nx.backend_transfer(t, {Moat.Backend, worker: @worker})
+  defp jit(fun, opts \\ []), do: Nx.Defn.jit(fun, [compiler: Moat.Compiler, worker: @worker] ++ opts)
+
+  test "an out-of-range gather inside a program fails as in eager mode; the worker lives", %{pid: pid} do
+    fun = jit(fn t, i -> t |> Nx.take(i) |> Nx.multiply(2) end)
+    t = moat(Nx.iota({3, 4}))
+
+    for index <- [3, 1_000_000_000, -1] do
+      error = assert_raise Error, fn -> fun.(t, moat(Nx.tensor([0, index]))) |> Nx.to_binary() end
+      assert {error.reason, error.op} == {:op_failed, :take}
+      assert error.message =~ "index #{index} is out of bounds for axis 0"
+    end
+
+    assert os_pid(@worker) == pid
+    assert Nx.to_flat_list(fun.(t, moat(Nx.tensor([2])))) == [16, 18, 20, 22]
+  end
+
+  test "an integer division by zero inside a while loop names the op", %{pid: pid} do
+    fun = jit(&Moat.CompilerCorpus.divide_loop/2)
+
+    error = assert_raise Error, fn -> fun.(moat(Nx.tensor([8, 4])), moat(Nx.tensor([2, 0]))) |> Nx.to_binary() end
+    assert error.op == :quotient
+    assert os_pid(@worker) == pid
+    assert Nx.to_flat_list(fun.(moat(Nx.tensor([8, 4])), moat(Nx.tensor([2, 1])))) == [1, 4]
+  end
+
+  test "a held compile/3 closure survives a worker restart", %{pid: pid} do
+    fun = Nx.Defn.compile(&Nx.multiply(&1, &1), [Nx.template({2}, :f32)], compiler: Moat.Compiler, worker: @worker)
+    assert Nx.to_flat_list(fun.(Nx.tensor([3.0, 4.0]))) == [9.0, 16.0]
+    jitted = jit(&Nx.add(&1, 1))
+    assert Nx.to_flat_list(jitted.(Nx.tensor([1.0]))) == [2.0]
+
+    generation = Moat.Worker.info(@worker).generation
+    kill(pid)
+    await_generation_after(@worker, generation)
+
+    assert Nx.to_flat_list(fun.(Nx.tensor([3.0, 4.0]))) == [9.0, 16.0]
+    assert Nx.to_flat_list(fun.(moat(Nx.tensor([5.0, 6.0])))) == [25.0, 36.0]
+    assert Nx.to_flat_list(jitted.(Nx.tensor([1.0]))) == [2.0]
+    assert Moat.compiler_info(@worker).programs == 2
+  end
+
+  test "the least recently used programs are released past max_programs" do
+    previous = Application.get_env(:moat, :max_programs)
+    Application.put_env(:moat, :max_programs, 2)
+
+    on_exit(fn ->
+      if previous,
+        do: Application.put_env(:moat, :max_programs, previous),
+        else: Application.delete_env(:moat, :max_programs)
+    end)
+
+    funs =
+      for k <- 1..4,
+          do: Nx.Defn.compile(&Nx.add(&1, k), [Nx.template({}, :f32)], compiler: Moat.Compiler, worker: @worker)
+
+    assert Moat.compiler_info(@worker).programs <= 2
+    # An evicted program is defined again on its next call.
+    for {fun, k} <- Enum.with_index(funs, 1), do: assert(Nx.to_number(fun.(Nx.tensor(1.0))) == 1.0 + k)
+    assert Moat.compiler_info(@worker).programs <= 2
+  end
+end

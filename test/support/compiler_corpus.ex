@@ -1,0 +1,100 @@
+defmodule Moat.CompilerCorpus do
+  @moduledoc false
+  # defn functions for the compiler's equivalence tests and benchmarks.
+  import Nx.Defn
+
+  defn elementwise(a, b) do
+    c = Nx.exp(a) * Nx.sin(b) - Nx.tanh(a / (Nx.abs(b) + 1))
+    Nx.pow(c, 2) + Nx.sqrt(Nx.abs(c)) * Nx.sigmoid(b) - Nx.log1p(Nx.abs(a))
+  end
+
+  defn reductions(a) do
+    {Nx.sum(a, axes: [1]), Nx.reduce_max(a), Nx.argmax(a, axis: 0), Nx.mean(a), Nx.product(a, axes: [0]),
+     Nx.cumulative_sum(a, axis: 1), Nx.logsumexp(a, axes: [1])}
+  end
+
+  defn(dot(a, b), do: Nx.dot(a, Nx.transpose(b)) |> Nx.dot(b))
+
+  defn(conv(x, k), do: Nx.conv(x, k, strides: [1, 1], padding: :same) |> Nx.window_max({1, 1, 2, 2}))
+
+  defn slicing(a) do
+    {a[[0..1, 1..2]], Nx.put_slice(a, [1, 1], Nx.tensor([[9.0, 9.0]])), Nx.reverse(a, axes: [0]),
+     Nx.pad(a, 0.5, [{1, 0, 0}, {0, 2, 1}]), Nx.concatenate([a, a], axis: 1)}
+  end
+
+  defn(dynamic_slice(a, i), do: {Nx.slice(a, [i, 0], [1, 3]), Nx.put_slice(a, [i, 1], Nx.tensor([[7.0, 8.0]]))})
+
+  defn gathers(a, idx) do
+    pairs = Nx.stack([idx, idx], axis: 1)
+
+    {Nx.take(a, idx, axis: 0), Nx.gather(a, pairs), Nx.indexed_add(a, pairs, Nx.tensor([1.0, 2.0])),
+     Nx.indexed_put(a, pairs, Nx.tensor([5.0, 6.0])),
+     Nx.take_along_axis(a, Nx.stack([idx, idx, idx], axis: 1), axis: 0)}
+  end
+
+  defn(sorting(a), do: {Nx.sort(a, axis: 1), Nx.argsort(a, axis: 1, direction: :desc), Nx.top_k(a, k: 2)})
+
+  defn while_tuple(x) do
+    {_i, acc, n} =
+      while {i = 0, acc = x, n = 0.0}, i < 1000 do
+        {i + 1, acc * 0.999 + 0.001, n + Nx.sum(acc)}
+      end
+
+    {acc, n}
+  end
+
+  defn conds(x) do
+    cond do
+      Nx.sum(x) > 100 -> {x * 2, Nx.sum(x)}
+      Nx.sum(x) > 0 -> {x + 1, Nx.reduce_min(x)}
+      true -> {-x, Nx.sum(x) * 0}
+    end
+  end
+
+  # A value computed outside the cond and used inside it.
+  defn cond_shared(x) do
+    y = Nx.exp(x)
+    z = if Nx.all(x > 0), do: y * 2, else: y - 1
+    z + y
+  end
+
+  defn(containers(%{a: a, b: {b, c}}), do: %{sum: a + b, pair: {b * c, Nx.sum(c)}})
+
+  defn mlp(x, w1, b1, w2, b2) do
+    h = Nx.max(Nx.dot(x, w1) + b1, 0)
+    logits = Nx.dot(h, w2) + b2
+    e = Nx.exp(logits - Nx.reduce_max(logits, axes: [1], keep_axes: true))
+    e / Nx.sum(e, axes: [1], keep_axes: true)
+  end
+
+  defn linalg(a) do
+    spd = Nx.dot(a, Nx.transpose(a)) + Nx.eye(3)
+    {q, r} = Nx.LinAlg.qr(spd)
+    {q, r, Nx.LinAlg.cholesky(spd), Nx.LinAlg.determinant(spd)}
+  end
+
+  defn(integers(a, b), do: {Nx.quotient(a, b), Nx.remainder(a, b), Nx.bitwise_and(a, 6), Nx.left_shift(a, 2)})
+
+  # A plain function (defn has no Enum), jitted like one.
+  def tiny_chain(x) do
+    Enum.reduce(1..100, x, fn i, acc -> if rem(i, 2) == 0, do: Nx.add(acc, 1.0), else: Nx.multiply(acc, 0.5) end)
+  end
+
+  defn counter(x) do
+    {_i, acc} =
+      while {i = 0, acc = x}, i < 1000 do
+        {i + 1, acc + 1}
+      end
+
+    acc
+  end
+
+  defn divide_loop(x, d) do
+    {_i, x, _d} =
+      while {i = 0, x, d}, i < 3 do
+        {i + 1, Nx.quotient(x, d), d}
+      end
+
+    x
+  end
+end

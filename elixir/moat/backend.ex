@@ -780,8 +780,8 @@ defmodule Moat.Backend do
     do: multi_op(out, :eigh, [t], %{eps: eps, type: v.type})
 
   def native_block(%LinAlg.SVD{full_matrices?: full}, {%T{type: {k, _}} = u, _, _} = out, [t])
-       when k != :c,
-       do: multi_op(out, :svd, [t], %{full_matrices: flag(full), type: u.type})
+      when k != :c,
+      do: multi_op(out, :svd, [t], %{full_matrices: flag(full), type: u.type})
 
   def native_block(%LinAlg.LU{}, {p, %T{type: {k, _}} = l, _} = out, [t]) when k != :c,
     do: multi_op(out, :lu, [t], %{p_type: p.type, type: l.type})

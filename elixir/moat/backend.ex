@@ -152,7 +152,7 @@ defmodule Moat.Backend do
   | `pad`, `select`, `put_slice`, `gather`, `indexed_put` | native when the data inputs have the output's type, else emulated | native | fallback |
   | `as_type` | emulated | emulated | native from real types, else fallback |
   | `bitcast` | native (the bytes) | native, then wrapped | – |
-  | `add`, `subtract`, `multiply`, `negate`, `conjugate`, `real`, `imag` | emulated | emulated | native, from f64 parts as `Complex` computes them |
+  | `add`, `subtract`, `multiply`, `negate`, `conjugate`, `real`, `imag`, `abs` | emulated | emulated | native, from f64 parts as `Complex` computes them |
   | every other callback: element-wise math, comparisons, reductions, `argsort`/`sort`, `dot`, `conv`, windows, FFT, `quotient`/`remainder`, bit counts, `triangular_solve` | emulated | emulated | fallback |
   | blocks (`Nx.Block.*`: `take`, `top_k`, cumulative ops, linear algebra, `fft2`…) | Nx's default implementation, from the callbacks above | the same | fallback (the whole block) |
   | `constant`, `iota`, `eye` | made in f32 and rounded | made in s64 and wrapped | made in f64 (native) |
@@ -177,8 +177,11 @@ defmodule Moat.Backend do
   `count_leading_zeros` of a 2- or 4-bit integer counts within its bits
   (Nx.BinaryBackend raises), and `inspect/2` prints 2- and 4-bit tensors
   (Nx 0.13's `Nx.Backend.inspect/3` cannot). c128 fallbacks behave as
-  Nx.BinaryBackend does, its limits included (complex math of non-finite
-  c128 values raises there, FFTs of length 1 have no data).
+  Nx.BinaryBackend does, its limits included: complex functions of
+  non-finite or overflowing c128 values raise there (`exp` of 710 raises
+  `ArithmeticError`), and FFTs of length 1 have no data (uploading the
+  result raises). The fallbacks copy their inputs out of the worker and the
+  result back, once per op.
 
   ## Fallbacks
 

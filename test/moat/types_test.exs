@@ -195,7 +195,8 @@ defmodule Moat.TypesTest do
         exact([other, a], &apply(Nx, op, [&1, &2]))
       end
 
-      for op <- [:negate, :conjugate, :real, :imag], do: exact([a], &apply(Nx, op, [&1]))
+      for op <- [:negate, :conjugate, :real, :imag, :abs], do: exact([a], &apply(Nx, op, [&1]))
+      exact([tensor(shape, {:c, 128}, specials: 0.3)], &Nx.abs/1)
       exact([tensor(shape, {:f, 64})], &Nx.conjugate/1)
       exact([a], &Nx.transpose/1)
       exact([a], &Nx.reshape(&1, {Nx.size(&1)}))

@@ -657,12 +657,14 @@ defmodule Moat.Backend do
 
   # Nx's default function builds its tensors on Nx.BinaryBackend too.
   defp block_via_binary(struct, output, args, fun) do
-    opts = args |> Enum.find(&match?(%T{data: %__MODULE__{}}, &1)) |> backend_options()
-
     Nx.with_default_backend(Nx.BinaryBackend, fn ->
-      via_binary(:block, output, [struct, args, fun], opts)
+      via_binary(:block, output, [struct, args, fun], home_options(args))
     end)
   end
+
+  # A fallback's result goes to the worker of its first Moat input.
+  defp home_options(args),
+    do: args |> List.flatten() |> Enum.find(&match?(%T{data: %__MODULE__{}}, &1)) |> backend_options()
 
   defp native_block(struct, output, args, fun) do
     with :default <- elementwise_block(struct, output, args),
@@ -965,7 +967,7 @@ defmodule Moat.Backend do
 
       case Types.route(unquote(name), out, rest) do
         :native -> super(unquote_splicing(args))
-        :fallback -> via_binary(unquote(name), out, rest)
+        :fallback -> via_binary(unquote(name), out, rest, home_options(rest))
       end
     end
   end

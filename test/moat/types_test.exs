@@ -205,6 +205,17 @@ defmodule Moat.TypesTest do
     end)
   end
 
+  test "c128 results, fallbacks included, stay on their worker" do
+    other = Moat.Case.start_worker(:types_other)
+    a = Nx.tensor([Complex.new(1.0, 2.0), 3.0], type: :c128, backend: {Moat.Backend, worker: other})
+
+    for result <- [Nx.exp(a), Nx.multiply(a, a), Nx.take(a, Nx.tensor([1])), Nx.sum(a), Nx.transpose(a)] do
+      assert result.data.ref.worker == other
+    end
+
+    assert Nx.to_flat_list(Nx.multiply(a, a)) == [Complex.new(-3.0, 4.0), Complex.new(9.0, 0.0)]
+  end
+
   defp flush_fallbacks do
     receive do
       {:telemetry, [:moat, :fallback, :start], _, _} -> flush_fallbacks()

@@ -9,8 +9,8 @@ defmodule Moat.Types do
 
   | Nx type | held in the worker as | computed in | rounded back |
   | --- | --- | --- | --- |
-  | `{:f, 8}` (E5M2) | u8: the bytes | f32 | to f16 (nearest, ties to even), then its high byte, as Nx does; NaN is `0x7E` |
-  | `{:f8_e4m3fn, 8}` | u8: the bytes | f32 | as `Nx.Floating.dump_f8_e4m3fn/1`: saturating at ±448, NaN `0x7F` |
+  | `{:f, 8}` (E5M2) | u8: the bytes | f64 | to f16 (nearest, ties to even), then its high byte, as Nx does; NaN is `0x7E` |
+  | `{:f8_e4m3fn, 8}` | u8: the bytes | f64 | as `Nx.Floating.dump_f8_e4m3fn/1`: saturating at ±448, NaN `0x7F` |
   | `{:s, 2}`, `{:s, 4}` | s8, one value a byte | s8 | wrapped into range (the low bits, sign-extended) |
   | `{:u, 2}`, `{:u, 4}` | u8, one value a byte | u8 | wrapped into range (the low bits) |
   | `{:c, 128}` | f64 with a hidden trailing axis of 2 (real, imaginary): Nx's byte layout | f64 parts, or Nx.BinaryBackend | – |
@@ -198,7 +198,9 @@ defmodule Moat.Types do
 
   defp relabel(%T{type: type} = t), do: %{t | type: storage(type)}
 
-  # Every other op: f8 inputs widen to f32, sub-byte integers are read as
+  # Every other op: f8 inputs widen (to f64, where the op runs: Nx.BinaryBackend
+  # computes f8 in Elixir floats, and f32 would round differently near the
+  # f8 steps), sub-byte integers are read as
   # the 8-bit integers that hold them; the op runs in those types; the
   # results of emulated types are rounded (floats) or wrapped (integers).
   defp run_emulated(outs, :astype, [x], _attrs, _send), do: Enum.map(outs, &narrow(widen(x), &1.type))
@@ -224,7 +226,7 @@ defmodule Moat.Types do
     results |> Tuple.to_list() |> Enum.zip_with(outs, &narrow(&1, &2.type))
   end
 
-  defp compute(type) when type in @f8, do: {:f, 32}
+  defp compute(type) when type in @f8, do: {:f, 64}
   defp compute(type), do: storage(type)
 
   # Attribute values that are types (:type, :input_type, :index_type...).

@@ -178,7 +178,7 @@ defmodule Moat.Backend do
   (s8/u8, unpacked from Nx's bitstrings on upload and packed on readback),
   c128 as f64 with a hidden trailing axis of 2 (Nx's own byte layout).
   Per op: *native* runs MLX on the stored values as they are; *emulated*
-  widens the inputs in the worker (f8 to f32 exactly, sub-byte integers as
+  widens the inputs in the worker (f8 exactly to f64, sub-byte integers as
   their 8-bit storage), runs the op there and rounds (f8) or wraps (sub-byte
   integers) the result back, as Nx.BinaryBackend writes values of the type;
   *fallback* runs on Nx.BinaryBackend with `[:moat, :fallback, ...]`
@@ -190,10 +190,10 @@ defmodule Moat.Backend do
   | `pad`, `select`, `put_slice`, `gather`, `indexed_put` | native when the data inputs have the output's type, else emulated | native | fallback |
   | `as_type` | emulated | emulated | native from real types, else fallback |
   | `bitcast` | native (the bytes) | native, then wrapped | – |
-  | `add`, `subtract`, `multiply`, `negate`, `conjugate`, `real`, `imag` | emulated | emulated | native, from f64 parts as `Complex` computes them |
+  | `add`, `subtract`, `multiply`, `negate`, `conjugate`, `real`, `imag`, `abs` | emulated | emulated | native, from f64 parts as `Complex` computes them |
   | every other callback: element-wise math, comparisons, reductions, `argsort`/`sort`, `dot`, `conv`, windows, FFT, `quotient`/`remainder`, bit counts, `triangular_solve` | emulated | emulated | fallback |
   | blocks (`Nx.Block.*`: `take`, `top_k`, cumulative ops, linear algebra, `fft2`…) | Nx's default implementation, from the callbacks above | the same | fallback (the whole block) |
-  | `constant`, `iota`, `eye` | made in f32 and rounded | made in s64 and wrapped | made in f64 (native) |
+  | `constant`, `iota`, `eye` | made in f64 and rounded | made in s64 and wrapped | made in f64 (native) |
 
   Rounding follows Nx.BinaryBackend bit for bit where it writes one value:
 
@@ -207,16 +207,21 @@ defmodule Moat.Backend do
     * 2- and 4-bit integers wrap (the low bits, sign-extended); converting a
       float gives 0 for NaN and the type's limits for ±inf, as Nx does.
 
-  Differences from Nx.BinaryBackend, which computes f8 in f64: f8 results
-  are computed in f32 and rounded once. For `+ - * /` and `sqrt` of f8
-  values that is the same result; a transcendental function can differ by
-  one f8 step where the f32 value lies within f32 rounding of an f8
-  rounding boundary, and long f8 sums accumulate in f32.
+  f8 ops are computed in f64, as Nx.BinaryBackend computes them (in
+  Elixir floats), and rounded once, so results match bit for bit except
+  where the f64 results themselves differ (Moat's f64 math, above): e.g.
+  `cbrt(64)` is 4.0 in e4m3fn here and 3.75 there, from Nx's
+  3.9999999999999996 (f32 would differ far more often: e4m3fn's capped
+  mantissa turns a value one f32 step below a power of two into a whole
+  step). As all f64 work, f8 math runs on the CPU.
   `count_leading_zeros` of a 2- or 4-bit integer counts within its bits
   (Nx.BinaryBackend raises), and `inspect/2` prints 2- and 4-bit tensors
   (Nx 0.13's `Nx.Backend.inspect/3` cannot). c128 fallbacks behave as
-  Nx.BinaryBackend does, its limits included (complex math of non-finite
-  c128 values raises there, FFTs of length 1 have no data).
+  Nx.BinaryBackend does, its limits included: complex functions of
+  non-finite or overflowing c128 values raise there (`exp` of 710 raises
+  `ArithmeticError`), and FFTs of length 1 have no data (uploading the
+  result raises). The fallbacks copy their inputs out of the worker and the
+  result back, once per op.
 
   ## Fallbacks
 
@@ -303,12 +308,11 @@ defmodule Moat.Backend do
     create(out, :iota, %{shape: Tuple.to_list(shape), axis: axis, type: Moat.check_type!(type)}, opts)
   end
 
-  # Integers (values exact in every float type but f8, where f32 rounds
-  # like Nx) for eye and iota of the types MLX does not have.
+  # eye and iota of the types MLX does not have are made in these, then converted.
   defp made_as({:c, 128}), do: {:f, 64}
   defp made_as({:s, _}), do: {:s, 64}
   defp made_as({:u, _}), do: {:u, 64}
-  defp made_as(_f8), do: {:f, 32}
+  defp made_as(_f8), do: {:f, 64}
 
   @impl true
   def to_binary(%T{type: {_, bits}} = tensor, limit) do
@@ -715,12 +719,14 @@ defmodule Moat.Backend do
 
   # Nx's default function builds its tensors on Nx.BinaryBackend too.
   defp block_via_binary(struct, output, args, fun) do
-    opts = args |> Enum.find(&match?(%T{data: %__MODULE__{}}, &1)) |> backend_options()
-
     Nx.with_default_backend(Nx.BinaryBackend, fn ->
-      via_binary(:block, output, [struct, args, fun], opts)
+      via_binary(:block, output, [struct, args, fun], home_options(args))
     end)
   end
+
+  # A fallback's result goes to the worker of its first Moat input.
+  defp home_options(args),
+    do: args |> List.flatten() |> Enum.find(&match?(%T{data: %__MODULE__{}}, &1)) |> backend_options()
 
   defp native_or_default(struct, output, args, fun) do
     with :default <- native_block(struct, output, args) do
@@ -1060,7 +1066,7 @@ defmodule Moat.Backend do
 
       case Types.route(unquote(name), out, rest) do
         :native -> super(unquote_splicing(args))
-        :fallback -> via_binary(unquote(name), out, rest)
+        :fallback -> via_binary(unquote(name), out, rest, home_options(rest))
       end
     end
   end

@@ -9,11 +9,11 @@ defmodule Moat.Types do
 
   | Nx type | held in the worker as | computed in | rounded back |
   | --- | --- | --- | --- |
-  | `{:f, 8}` (E5M2) | u8: the bytes | f32 | to f16 (nearest, ties to even), then its high byte, as Nx does; NaN is `0x7E` |
-  | `{:f8_e4m3fn, 8}` | u8: the bytes | f32 | as `Nx.Floating.dump_f8_e4m3fn/1`: saturating at ±448, NaN `0x7F` |
+  | `{:f, 8}` (E5M2) | u8: the bytes | f64 | to f16 (nearest, ties to even), then its high byte, as Nx does; NaN is `0x7E` |
+  | `{:f8_e4m3fn, 8}` | u8: the bytes | f64 | as `Nx.Floating.dump_f8_e4m3fn/1`: saturating at ±448, NaN `0x7F` |
   | `{:s, 2}`, `{:s, 4}` | s8, one value a byte | s8 | wrapped into range (the low bits, sign-extended) |
   | `{:u, 2}`, `{:u, 4}` | u8, one value a byte | u8 | wrapped into range (the low bits) |
-  | `{:c, 128}` | f64 with a hidden trailing axis of 2 (real, imaginary): Nx's byte layout | f64, or Nx.BinaryBackend | – |
+  | `{:c, 128}` | f64 with a hidden trailing axis of 2 (real, imaginary): Nx's byte layout | f64 parts, or Nx.BinaryBackend | – |
 
   Sub-byte integers are unpacked from Nx's bitstrings (first element in the
   most significant bits) on upload and packed again on readback; the other
@@ -23,10 +23,12 @@ defmodule Moat.Types do
   (reshape, transpose, slices, gathers, concatenation, padding…) runs on the
   stored bytes as they are (native); everything else on f8 and sub-byte
   integers is emulated (widened, computed by MLX, rounded back, in the
-  worker); `{:c, 128}` moves natively and is built from real tensors
-  natively, and every other op on it runs on Nx.BinaryBackend with
-  `[:moat, :fallback, ...]` telemetry, since a complex128 computed in
-  complex64 would be wrong data.
+  worker). `{:c, 128}` moves natively, is converted from real types and
+  added, subtracted, multiplied, negated, conjugated, split into its
+  parts and measured (`abs`) natively (f64 operations on the parts, as `Complex` computes them);
+  every other op on it runs on Nx.BinaryBackend with `[:moat, :fallback,
+  ...]` telemetry, since a complex128 computed in complex64 would be wrong
+  data.
   """
 
   alias Nx.Tensor, as: T
@@ -93,7 +95,7 @@ defmodule Moat.Types do
 
   # Element-wise ops composed from f64 parts, exactly as Complex computes
   # them (each part one IEEE operation), with any input types.
-  @c128_parts [:add, :subtract, :multiply, :negate, :conjugate, :real, :imag]
+  @c128_parts [:add, :subtract, :multiply, :negate, :conjugate, :real, :imag, :abs]
 
   @doc false
   # How Moat.Backend runs callback `name` given its output and arguments:
@@ -196,7 +198,9 @@ defmodule Moat.Types do
 
   defp relabel(%T{type: type} = t), do: %{t | type: storage(type)}
 
-  # Every other op: f8 inputs widen to f32, sub-byte integers are read as
+  # Every other op: f8 inputs widen (to f64, where the op runs: Nx.BinaryBackend
+  # computes f8 in Elixir floats, and f32 would round differently near the
+  # f8 steps), sub-byte integers are read as
   # the 8-bit integers that hold them; the op runs in those types; the
   # results of emulated types are rounded (floats) or wrapped (integers).
   defp run_emulated(outs, :astype, [x], _attrs, _send), do: Enum.map(outs, &narrow(widen(x), &1.type))
@@ -222,7 +226,7 @@ defmodule Moat.Types do
     results |> Tuple.to_list() |> Enum.zip_with(outs, &narrow(&1, &2.type))
   end
 
-  defp compute(type) when type in @f8, do: {:f, 32}
+  defp compute(type) when type in @f8, do: {:f, 64}
   defp compute(type), do: storage(type)
 
   # Attribute values that are types (:type, :input_type, :index_type...).
@@ -265,6 +269,22 @@ defmodule Moat.Types do
   defp c128_parts(:negate, [{re, im}], out), do: from_parts(Nx.negate(re), Nx.negate(im), out)
   defp c128_parts(:conjugate, [{re, im}], out), do: from_parts(re, Nx.negate(im), out)
   defp c128_parts(:real, [{re, _}], out), do: narrow(re, out.type)
+
+  # Complex.abs/1: |big| * sqrt(1 + (small / big)^2), a zero part gives the
+  # other; infinite with any non-finite part, NaN only when both are NaN.
+  defp c128_parts(:abs, [{re, im}], out) do
+    c = &const(re, &1, {:f, 64})
+    {x, y} = {Nx.abs(re), Nx.abs(im)}
+    {big, small} = {Nx.max(x, y), Nx.min(x, y)}
+    ratio = Nx.divide(small, big)
+    hypot = Nx.multiply(big, Nx.sqrt(Nx.add(c.(1.0), Nx.multiply(ratio, ratio))))
+    finite = Nx.select(Nx.equal(x, c.(0.0)), y, Nx.select(Nx.equal(y, c.(0.0)), x, hypot))
+    non_finite = [re, im] |> Enum.flat_map(&[Nx.is_nan(&1), Nx.is_infinity(&1)]) |> Enum.reduce(&Nx.logical_or/2)
+    both_nan = Nx.logical_and(Nx.is_nan(re), Nx.is_nan(im))
+    result = Nx.select(both_nan, c.(:nan), Nx.select(non_finite, c.(:infinity), finite))
+    narrow(result, out.type)
+  end
+
   defp c128_parts(:imag, [{_, im}], out), do: narrow(im, out.type)
 
   defp from_parts(re, im, %T{type: {:c, 128}} = out), do: %{Nx.stack([re, im], axis: -1) | type: out.type}

@@ -123,6 +123,9 @@ defmodule Moat.TypesTest do
         exact([a, b], &Nx.divide/2)
         exact([a], &Nx.sqrt(Nx.abs(&1)))
         exact([a], &Nx.floor/1)
+        # Computed in f64 like Nx.BinaryBackend, so even math rounds the same.
+        for op <- [:exp, :sin, :tanh, :sigmoid, :atan, :erf], do: exact([a], &apply(Nx, op, [&1]))
+        exact([a], &Nx.log(Nx.add(Nx.abs(&1), 1)))
         exact([a, b], &Nx.dot(Nx.flatten(&1), Nx.flatten(&2)))
       end
     end)
@@ -195,13 +198,25 @@ defmodule Moat.TypesTest do
         exact([other, a], &apply(Nx, op, [&1, &2]))
       end
 
-      for op <- [:negate, :conjugate, :real, :imag], do: exact([a], &apply(Nx, op, [&1]))
+      for op <- [:negate, :conjugate, :real, :imag, :abs], do: exact([a], &apply(Nx, op, [&1]))
+      exact([tensor(shape, {:c, 128}, specials: 0.3)], &Nx.abs/1)
       exact([tensor(shape, {:f, 64})], &Nx.conjugate/1)
       exact([a], &Nx.transpose/1)
       exact([a], &Nx.reshape(&1, {Nx.size(&1)}))
       exact([a, b], &Nx.concatenate([&1, &2]))
       refute_receive {:telemetry, [:moat, :fallback, :start], _, _}
     end)
+  end
+
+  test "c128 results, fallbacks included, stay on their worker" do
+    other = Moat.Case.start_worker(:types_other)
+    a = Nx.tensor([Complex.new(1.0, 2.0), 3.0], type: :c128, backend: {Moat.Backend, worker: other})
+
+    for result <- [Nx.exp(a), Nx.multiply(a, a), Nx.take(a, Nx.tensor([1])), Nx.sum(a), Nx.transpose(a)] do
+      assert result.data.ref.worker == other
+    end
+
+    assert Nx.to_flat_list(Nx.multiply(a, a)) == [Complex.new(-3.0, 4.0), Complex.new(9.0, 0.0)]
   end
 
   defp flush_fallbacks do

@@ -160,12 +160,14 @@ defmodule Moat.Backend do
       in `svd` the singular vectors of zero singular values, are an
       orthonormal completion, not necessarily Nx's.
       `triangular_solve` computes in f64, as Nx.BinaryBackend does.
-    * `cholesky` comes from LAPACK; a matrix with a pivot that is not
-      positive is factored again by Nx's own algorithm (the pivots are
-      checked in the worker, which evaluates the factor): a zero pivot gives
-      Nx's result (`[[25, 25], [25, 25]]` is `[[5, 0], [5, 0]]`, and a
-      singular covariance in `Nx.Random.multivariate_normal` gives no NaN), a
-      negative one NaN from there on, where Nx.BinaryBackend raises.
+    * `cholesky` comes from LAPACK; a matrix of up to 256 rows with a pivot
+      that is not positive is factored again by Nx's own algorithm (the
+      pivots are checked in the worker, which evaluates the factor): a zero
+      pivot gives Nx's result (`[[25, 25], [25, 25]]` is `[[5, 0], [5, 0]]`,
+      and a singular covariance in `Nx.Random.multivariate_normal` gives no
+      NaN), a negative one NaN from there on, where Nx.BinaryBackend raises.
+      Larger matrices stay lazy and are NaN from the first non-positive
+      pivot on.
     * `dot` and `conv` of f16/bf16 accumulate in f32 and round once; f32
       `dot` accumulates in f32 (BLAS), where Nx.BinaryBackend accumulates
       in f64 and rounds once (last-digit differences).

@@ -50,6 +50,13 @@ defmodule Moat.NxSuiteFixesTest do
                Nx.tensor(1, type: :u8)
     end
 
+    # Past 256 rows the factor stays lazy: NaN from the first non-positive
+    # pivot on (here the second), zero above the diagonal.
+    l = host(Nx.LinAlg.cholesky(moat(Nx.broadcast(1.0, {300, 300}))))
+    assert l[0][0] == Nx.tensor(1.0)
+    assert host(Nx.all(Nx.is_nan(l[[1..299, 1..299]] |> Nx.take_diagonal()))) == Nx.tensor(1, type: :u8)
+    assert l[0][1] == Nx.tensor(0.0)
+
     # A singular covariance no longer turns samples into NaN.
     key = Nx.Random.key(1)
 

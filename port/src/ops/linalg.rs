@@ -210,26 +210,39 @@ fn reflection_signs(am: &Array, r: &Array, m: i32, k: i32) -> Result<Array> {
     ops::concatenate(&[&others, &last], -1)
 }
 
-/// Nx.Block.LinAlg.Cholesky: the lower factor, from LAPACK. A matrix with
-/// a pivot that is not positive (positive semi-definite with a zero pivot,
-/// or not positive definite) is factored again by Nx's own algorithm
-/// (`crout`), whose results there MLX does not reproduce (it returns a
-/// partial factorisation). Checking the pivots evaluates the factor in the
-/// worker.
+/// Nx.Block.LinAlg.Cholesky: the lower factor, from LAPACK. Where the
+/// matrix is not positive definite MLX returns a partial factorisation; a
+/// matrix of up to `CROUT_MAX` rows with a pivot that is not positive
+/// (positive semi-definite with a zero pivot, or indefinite) is factored
+/// again by Nx's own algorithm (`crout`), and checking its pivots evaluates
+/// the factor in the worker. Larger ones stay lazy: their entries from the
+/// first non-positive pivot on are NaN.
 pub fn cholesky(x: &[&Array], a: &Term) -> Outputs {
     let work = work_type(a)?;
     let am = ops::astype(x[0], work)?;
     let l = ops::cholesky(&am, false)?;
     let positive = ops::greater(&diagonal(&l)?, &float_scalar(0.0, work)?)?;
-    let axes: Vec<i32> = (0..positive.shape().len() as i32).collect();
-    let all_positive = ops::all(&positive, &axes, false)?;
-    let l = if crate::budget::read::<u8>(&ops::astype(&all_positive, Dtype::U8)?)? == [1] {
-        l
+    let (n, _) = matrix_dims(&am.shape())?;
+    let l = if n > CROUT_MAX {
+        let failed = cumulative_any(&ops::logical_not(&positive)?)?;
+        let block = ops::logical_and(&expand(&failed, -1)?, &expand(&failed, -2)?)?;
+        // MLX's factor is zero above the diagonal, which stays so.
+        ops::tril(&ops::where_(&block, &float_scalar(f64::NAN, work)?, &l)?, 0)?
     } else {
-        crout(&am)?
+        let axes: Vec<i32> = (0..positive.shape().len() as i32).collect();
+        let all_positive = ops::all(&positive, &axes, false)?;
+        if crate::budget::read::<u8>(&ops::astype(&all_positive, Dtype::U8)?)? == [1] {
+            l
+        } else {
+            crout(&am)?
+        }
     };
     finish(approximate_zeros(&l, CHOLESKY_EPS), a)
 }
+
+/// The largest matrices whose pivots are checked (and refactored by Nx's
+/// algorithm, n steps of O(n^2)) when one is not positive.
+const CROUT_MAX: i32 = 256;
 
 /// Nx's `eps` for Cholesky: added to each pivot it divides by, and the
 /// threshold below which entries become zero.

@@ -60,6 +60,16 @@ fn only_the_input_holder(w: &Worker) -> u32 {
     holder
 }
 
+/// Held while a test starts a worker, and while one lists the descriptors a
+/// worker could inherit: a spawn in progress in another test briefly holds
+/// descriptors a child would inherit.
+static SPAWN: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn start(extra: &[&str], stderr: Stdio) -> Worker {
+    let _spawning = SPAWN.lock().unwrap_or_else(|e| e.into_inner());
+    Worker::start_with(extra, stderr)
+}
+
 fn zombie(pid: u32) -> bool {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
     stat.rsplit(") ").next().is_some_and(|rest| rest.starts_with('Z'))
@@ -106,12 +116,15 @@ fn inheritable_fds() -> Vec<u32> {
 
 #[test]
 fn the_worker_holds_only_the_descriptors_it_was_given_and_no_sockets() {
-    let mut w = Worker::start(&[]);
+    let mut w = start(&[], Stdio::inherit());
     exercise(&mut w);
     let fds = open_fds(w.pid());
     let numbers: Vec<u32> = fds.iter().map(|(fd, _)| *fd).collect();
     let mut expected = vec![0, 1, 2, 3, 4];
-    expected.extend(inheritable_fds());
+    expected.extend({
+        let _spawning = SPAWN.lock().unwrap_or_else(|e| e.into_inner());
+        inheritable_fds()
+    });
     expected.sort();
     assert_eq!(numbers, expected, "unexpected descriptors: {fds:?}");
     assert!(
@@ -137,7 +150,7 @@ fn the_worker_holds_only_the_descriptors_it_was_given_and_no_sockets() {
 
 #[test]
 fn nothing_outside_the_op_table_runs() {
-    let mut w = Worker::start_with(&["--log-level", "error"], Stdio::null());
+    let mut w = start(&["--log-level", "error"], Stdio::null());
     // The production build has no :fault op; names that would mean something
     // to a shell or a loader are just unknown ops.
     for (seq, op) in [
@@ -171,7 +184,7 @@ fn nothing_outside_the_op_table_runs() {
 fn tensor_data_never_reaches_the_log_even_at_trace_level() {
     let log = std::env::temp_dir().join(format!("moat-security-{}.log", std::process::id()));
     let file = std::fs::File::create(&log).unwrap();
-    let mut w = Worker::start_with(
+    let mut w = start(
         &["--log-level", "trace", "--max-frame-bytes", "4096"],
         Stdio::from(file),
     );

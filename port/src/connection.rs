@@ -12,7 +12,7 @@ use crate::budget::budget;
 use crate::failure::Failure;
 use crate::frame::{write_frame, FrameReader, Head, Limits};
 use crate::mlx::{Array, Buffer, Dtype, Evaluated};
-use crate::protocol::{self, Id, Malformed, Request};
+use crate::protocol::{self, Id, Malformed, Request, FROM_BINARY};
 use crate::shared::{Mapped, Staged};
 use crate::term::Term;
 use crossbeam_channel::{bounded, Receiver, Sender};
@@ -62,11 +62,6 @@ pub enum Outgoing {
         data: Evaluated,
     },
 }
-
-/// The op that failures of `upload_file` and `from_file` name: they are
-/// `from_binary` through shared memory, and a caller sees the same error
-/// whichever way the bytes travel.
-const FROM_BINARY: &str = "from_binary";
 
 /// What the reader needs besides its input.
 #[derive(Clone)]

@@ -6,6 +6,11 @@ use crate::term::Term;
 
 pub const VERSION: i128 = 1;
 
+/// The op that an upload's failures name, whichever way its bytes travel
+/// (`upload_file` and `from_file` included): a caller sees the same
+/// error for the same upload.
+pub const FROM_BINARY: &str = "from_binary";
+
 /// A tensor id, chosen by the client.
 pub type Id = u64;
 

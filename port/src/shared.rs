@@ -17,7 +17,7 @@
 use crate::budget::{self, budget, Held};
 use crate::failure::Failure;
 use crate::mlx::{Array, Dtype};
-use crate::protocol;
+use crate::protocol::{self, FROM_BINARY as OP};
 use crate::sys::{self, Mapping};
 use crate::term::Term;
 use std::fs::File;
@@ -26,10 +26,6 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::MetadataExt;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::OnceLock;
-
-/// The op a shared-memory upload's failures name: it is `from_binary`
-/// through shared memory (see `connection`).
-const OP: &str = "from_binary";
 
 /// Memory files kept open at most (by live tensors and the cache), far
 /// below the usual descriptor limit; past it, files are closed once mapped

@@ -43,17 +43,31 @@ fn only_the_input_holder(w: &Worker) -> u32 {
         "the worker has children other than its input holder: {kids:?}"
     );
     let holder = kids[0];
-    assert_eq!(
-        std::fs::read_to_string(format!("/proc/{holder}/comm")).unwrap().trim(),
-        "moat_port-hold"
-    );
+    let comm = || std::fs::read_to_string(format!("/proc/{holder}/comm")).unwrap();
     let worker_input = open_fds(w.pid()).into_iter().find(|(fd, _)| *fd == 3).unwrap().1;
+    // The child names itself and closes what it inherited right after the
+    // fork; on a busy machine it may not have run yet.
+    let deadline = std::time::Instant::now() + Duration::from_secs(2);
+    while (comm().trim() != "moat_port-hold" || open_fds(holder).len() != 1) && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(comm().trim(), "moat_port-hold");
     assert_eq!(
         open_fds(holder),
         vec![(3, worker_input)],
         "the holder holds more than the request pipe"
     );
     holder
+}
+
+/// Held while a test starts a worker, and while one lists the descriptors a
+/// worker could inherit: a spawn in progress in another test briefly holds
+/// descriptors a child would inherit.
+static SPAWN: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn start(extra: &[&str], stderr: Stdio) -> Worker {
+    let _spawning = SPAWN.lock().unwrap_or_else(|e| e.into_inner());
+    Worker::start_with(extra, stderr)
 }
 
 fn zombie(pid: u32) -> bool {
@@ -102,12 +116,15 @@ fn inheritable_fds() -> Vec<u32> {
 
 #[test]
 fn the_worker_holds_only_the_descriptors_it_was_given_and_no_sockets() {
-    let mut w = Worker::start(&[]);
+    let mut w = start(&[], Stdio::inherit());
     exercise(&mut w);
     let fds = open_fds(w.pid());
     let numbers: Vec<u32> = fds.iter().map(|(fd, _)| *fd).collect();
     let mut expected = vec![0, 1, 2, 3, 4];
-    expected.extend(inheritable_fds());
+    expected.extend({
+        let _spawning = SPAWN.lock().unwrap_or_else(|e| e.into_inner());
+        inheritable_fds()
+    });
     expected.sort();
     assert_eq!(numbers, expected, "unexpected descriptors: {fds:?}");
     assert!(
@@ -133,7 +150,7 @@ fn the_worker_holds_only_the_descriptors_it_was_given_and_no_sockets() {
 
 #[test]
 fn nothing_outside_the_op_table_runs() {
-    let mut w = Worker::start_with(&["--log-level", "error"], Stdio::null());
+    let mut w = start(&["--log-level", "error"], Stdio::null());
     // The production build has no :fault op; names that would mean something
     // to a shell or a loader are just unknown ops.
     for (seq, op) in [
@@ -167,7 +184,7 @@ fn nothing_outside_the_op_table_runs() {
 fn tensor_data_never_reaches_the_log_even_at_trace_level() {
     let log = std::env::temp_dir().join(format!("moat-security-{}.log", std::process::id()));
     let file = std::fs::File::create(&log).unwrap();
-    let mut w = Worker::start_with(
+    let mut w = start(
         &["--log-level", "trace", "--max-frame-bytes", "4096"],
         Stdio::from(file),
     );

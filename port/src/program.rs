@@ -9,12 +9,14 @@
 
 use crate::budget::{self, EvalError};
 use crate::checks::Checks;
-use crate::mlx::{ops, Array, Dtype};
+use crate::mlx::{ops, Array, Compiled, Dtype};
 use crate::ops::{builder, Builder};
 use crate::registry::Failure;
 use crate::term::Term;
+use std::cell::Cell;
 use std::collections::HashMap;
 use std::rc::Rc;
+use std::sync::OnceLock;
 
 /// Programs one worker holds at most; the client evicts below this.
 pub const MAX_PROGRAMS: usize = 4096;
@@ -27,19 +29,33 @@ pub struct Program {
     slots: usize,
     inputs: Vec<usize>,
     outputs: Vec<usize>,
-    steps: Vec<Step>,
+    steps: Rc<Vec<Step>>,
+    fused: Option<Fused>,
+}
+
+/// A program run through `mlx::core::compile` (`fuse: true`), which fuses
+/// its element-wise chains into single kernels.
+struct Fused {
+    compiled: Compiled,
+    /// Off once compiling failed for a reason other than the program's own
+    /// steps (no C++ compiler, say): it then runs unfused.
+    on: Cell<bool>,
+    /// Whether the last trace failed in a step: that call runs unfused, and
+    /// reports the step's failure as an unfused run would.
+    trace_failed: Rc<Cell<bool>>,
 }
 
 enum Step {
-    /// A small creation op (`constant`, `iota`, `eye`), evaluated once when
-    /// the program is defined: each run shares its arrays.
-    Literal { arrays: Vec<Array>, outs: Vec<usize> },
     Op {
         name: String,
         builder: Builder,
         ins: Vec<usize>,
         outs: Vec<usize>,
         attrs: Term,
+        /// For a small creation op (`constant`, `iota`, `eye`), its arrays,
+        /// evaluated once when the program is defined: each run shares them
+        /// (a trace builds its own, as MLX compiles only what it traces).
+        literal: Option<Vec<Array>>,
     },
     While {
         init: Vec<usize>,
@@ -81,8 +97,9 @@ impl Programs {
         self.held.get(&id)
     }
 
-    /// Parses and keeps `attrs` (`%{id:, slots:, inputs:, outputs:, steps:}`).
-    pub fn define(&mut self, attrs: &Term) -> Result<(), String> {
+    /// Parses and keeps `attrs` (`%{id:, slots:, inputs:, outputs:, steps:}`,
+    /// and `fuse: true` to fuse it when it can be).
+    pub fn define(&mut self, attrs: &Term, checks: &Checks) -> Result<(), String> {
         let id = attrs
             .get("id")
             .and_then(Term::as_int)
@@ -97,7 +114,11 @@ impl Programs {
                 "the worker holds {MAX_PROGRAMS} programs, its most; release some first"
             ));
         }
-        self.held.insert(id, Program::parse(attrs)?);
+        let mut program = Program::parse(attrs)?;
+        if attrs.get("fuse").is_some_and(|f| f.is_atom("true")) && !checks.detect_non_finite {
+            program.fuse(id, *checks);
+        }
+        self.held.insert(id, program);
         Ok(())
     }
 
@@ -118,8 +139,38 @@ impl Program {
             slots,
             inputs: p.slot_list(field(attrs, "inputs")?)?,
             outputs: p.slot_list(field(attrs, "outputs")?)?,
-            steps: p.steps(field(attrs, "steps")?)?,
+            steps: Rc::new(p.steps(field(attrs, "steps")?)?),
+            fused: None,
         })
+    }
+
+    /// Compiles the program with `mlx::core::compile` when every step can
+    /// be traced (no control flow, no op that evaluates while it is built)
+    /// and a C++ compiler is there for MLX's CPU kernels; else it stays
+    /// unfused.
+    fn fuse(&mut self, id: u64, checks: Checks) {
+        if !self.steps.iter().all(fusible) || !compiler_available() {
+            return;
+        }
+        let trace_failed = Rc::new(Cell::new(false));
+        let (steps, slots, failed) = (self.steps.clone(), self.slots, trace_failed.clone());
+        let (inputs, outputs) = (self.inputs.clone(), self.outputs.clone());
+        let body = Box::new(move |arrays: &[Array]| {
+            let refs: Vec<&Array> = arrays.iter().collect();
+            let result = execute(&steps, slots, &inputs, &outputs, &refs, &checks, true);
+            failed.set(result.is_err());
+            result.map_err(|f| format!("{}: {}", f.op, f.message))
+        });
+        match Compiled::new(id as usize, self.outputs.len(), body) {
+            Ok(compiled) => {
+                self.fused = Some(Fused {
+                    compiled,
+                    on: Cell::new(true),
+                    trace_failed,
+                })
+            }
+            Err(e) => log::warn!("program {id} runs unfused: {}", e.message),
+        }
     }
 
     pub fn inputs(&self) -> usize {
@@ -133,14 +184,164 @@ impl Program {
     /// Runs the program on `inputs` (one per input slot); its outputs, or
     /// the first failure.
     pub fn run(&self, inputs: &[&Array], checks: &Checks) -> Result<Vec<Array>, Fail> {
-        let mut slots: Vec<Option<Array>> = (0..self.slots).map(|_| None).collect();
-        for (slot, array) in self.inputs.iter().zip(inputs) {
-            slots[*slot] = Some(share(array)?);
+        if let Some(fused) = self.fused.as_ref().filter(|f| f.on.get()) {
+            match fused.compiled.call(inputs) {
+                Ok(arrays) => {
+                    budget::admit_results(&arrays).map_err(|e| Failure::new("run_program", e.to_string()))?;
+                    return Ok(arrays);
+                }
+                Err(_) if fused.trace_failed.get() => {}
+                Err(e) => {
+                    log::warn!("a program runs unfused from now on: {}", e.message);
+                    fused.on.set(false);
+                }
+            }
         }
-        let mut run = Run { slots, checks };
-        run.steps(&self.steps)?;
-        run.values(&self.outputs, "run_program")
+        execute(
+            &self.steps,
+            self.slots,
+            &self.inputs,
+            &self.outputs,
+            inputs,
+            checks,
+            false,
+        )
     }
+}
+
+/// Runs `steps` over fresh slots: `inputs` fill `input_slots`, the result
+/// is the `output_slots`.
+fn execute(
+    steps: &[Step],
+    slots: usize,
+    input_slots: &[usize],
+    output_slots: &[usize],
+    inputs: &[&Array],
+    checks: &Checks,
+    tracing: bool,
+) -> Result<Vec<Array>, Fail> {
+    let mut values: Vec<Option<Array>> = (0..slots).map(|_| None).collect();
+    for (slot, array) in input_slots.iter().zip(inputs) {
+        values[*slot] = Some(share(array)?);
+    }
+    let mut run = Run {
+        slots: values,
+        checks,
+        tracing,
+    };
+    run.steps(steps)?;
+    run.values(output_slots, "run_program")
+}
+
+/// Ops a trace can hold: they build lazily (no evaluation while built).
+const FUSIBLE: &[&str] = &[
+    "constant",
+    "iota",
+    "eye",
+    "astype",
+    "reshape",
+    "broadcast_to",
+    "bitcast",
+    "broadcast",
+    "transpose",
+    "reverse",
+    "pad",
+    "concatenate",
+    "stack",
+    "select",
+    "clip",
+    "copy",
+    "add",
+    "subtract",
+    "multiply",
+    "divide",
+    "pow",
+    "atan2",
+    "min",
+    "max",
+    "bitwise_and",
+    "bitwise_or",
+    "bitwise_xor",
+    "left_shift",
+    "right_shift",
+    "equal",
+    "not_equal",
+    "greater",
+    "less",
+    "greater_equal",
+    "less_equal",
+    "logical_and",
+    "logical_or",
+    "logical_xor",
+    "exp",
+    "expm1",
+    "log",
+    "log1p",
+    "sigmoid",
+    "cos",
+    "sin",
+    "tan",
+    "cosh",
+    "sinh",
+    "tanh",
+    "acos",
+    "asin",
+    "atan",
+    "acosh",
+    "asinh",
+    "atanh",
+    "sqrt",
+    "rsqrt",
+    "cbrt",
+    "erf",
+    "erfc",
+    "erf_inv",
+    "abs",
+    "bitwise_not",
+    "ceil",
+    "conjugate",
+    "floor",
+    "negate",
+    "round",
+    "sign",
+    "real",
+    "imag",
+    "is_nan",
+    "is_infinity",
+    "logical_not",
+    "phase",
+    "sum",
+    "product",
+    "reduce_max",
+    "reduce_min",
+    "all",
+    "any",
+    "argmax",
+    "argmin",
+    "matmul",
+    "dot",
+];
+
+fn fusible(step: &Step) -> bool {
+    matches!(step, Step::Op { name, .. } if FUSIBLE.contains(&name.as_str()))
+}
+
+/// Whether MLX can build fused CPU kernels here: it compiles them with g++
+/// at run time (checked once).
+fn compiler_available() -> bool {
+    static AVAILABLE: OnceLock<bool> = OnceLock::new();
+    *AVAILABLE.get_or_init(|| {
+        let found = std::process::Command::new("g++")
+            .arg("--version")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+        if !found {
+            log::warn!("no C++ compiler (g++) for MLX's fused kernels: programs run unfused");
+        }
+        found
+    })
 }
 
 fn field<'a>(attrs: &'a Term, key: &str) -> Result<&'a Term, String> {
@@ -242,12 +443,10 @@ impl Parser {
                 if !arity.accepts(ins.len()) {
                     return Err(format!("{name} takes {arity} inputs, got {}", ins.len()));
                 }
-                if let Some(arrays) = literal(name, builder, attrs, outs.len()) {
-                    return Ok(Step::Literal { arrays, outs });
-                }
                 Ok(Step::Op {
                     name: name.to_string(),
                     builder,
+                    literal: literal(name, builder, attrs, outs.len()),
                     ins,
                     outs,
                     attrs: attrs.clone(),
@@ -280,6 +479,8 @@ fn literal(name: &str, builder: Builder, attrs: &Term, outs: usize) -> Option<Ve
 struct Run<'a> {
     slots: Vec<Option<Array>>,
     checks: &'a Checks,
+    /// Inside `mlx::core::compile`'s trace.
+    tracing: bool,
 }
 
 fn share(array: &Array) -> Result<Array, Fail> {
@@ -309,19 +510,18 @@ impl Run<'_> {
 
     fn step(&mut self, step: &Step) -> Result<(), Fail> {
         match step {
-            Step::Literal { arrays, outs } => {
-                let arrays = arrays.iter().map(share).collect::<Result<Vec<_>, Fail>>()?;
-                self.set(outs, arrays);
-                Ok(())
-            }
             Step::Op {
                 name,
                 builder,
                 ins,
                 outs,
                 attrs,
+                literal,
             } => {
-                let arrays = self.op(name, *builder, ins, attrs)?;
+                let arrays = match literal {
+                    Some(arrays) if !self.tracing => arrays.iter().map(share).collect::<Result<Vec<_>, Fail>>()?,
+                    _ => self.op(name, *builder, ins, attrs)?,
+                };
                 if arrays.len() != outs.len() {
                     let message = format!("{name} defines {} tensors, the step named {}", arrays.len(), outs.len());
                     return Err(Failure::new(name, message));

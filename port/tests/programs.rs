@@ -228,3 +228,34 @@ fn the_memory_limit_holds_inside_programs() {
     assert_eq!(op, "negate");
     assert!(message.contains("memory limit exceeded"), "{message}");
 }
+
+#[test]
+fn a_fused_program_gives_the_unfused_results() {
+    let mut w = Worker::start(&[]);
+    let steps = || {
+        vec![
+            step("multiply", &[0, 0], &[1], typed("f", 32)),
+            step("constant", &[], &[2], f32_scalar(0.5)),
+            step("multiply", &[1, 2], &[3], typed("f", 32)),
+            step("exp", &[3], &[4], typed("f", 32)),
+            step("add", &[4, 0], &[5], typed("f", 32)),
+        ]
+    };
+    let with_fuse = |id: u64, fuse: bool| match program(id, 6, &[0], &[5], steps()) {
+        Term::Map(mut pairs) => {
+            pairs.push((Term::atom("fuse"), Term::atom(if fuse { "true" } else { "false" })));
+            Term::Map(pairs)
+        }
+        _ => unreachable!(),
+    };
+    assert_ok(&call(&mut w, 1, "define_program", with_fuse(1, false)));
+    assert_ok(&call(&mut w, 2, "define_program", with_fuse(2, true)));
+    w.upload_f32(1, &[3], &[0.5, -1.0, 2.0]);
+    for (k, id) in [10, 11, 12].into_iter().enumerate() {
+        w.request(0, "run_program", &[id], &[1], Term::int(if k == 0 { 1 } else { 2 }));
+    }
+    let unfused = w.read_bytes(3, 10);
+    assert_eq!(w.read_bytes(4, 11), unfused);
+    // The second run replays the fused trace.
+    assert_eq!(w.read_bytes(5, 12), unfused);
+}

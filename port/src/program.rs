@@ -16,6 +16,7 @@ use crate::term::Term;
 use std::cell::Cell;
 use std::collections::HashMap;
 use std::rc::Rc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
 /// Programs one worker holds at most; the client evicts below this.
@@ -61,9 +62,13 @@ enum Step {
         init: Vec<usize>,
         outs: Vec<usize>,
         state: Vec<usize>,
-        cond: Vec<Step>,
+        cond: Rc<Vec<Step>>,
         pred: usize,
-        body: Branch,
+        body: Rc<Branch>,
+        /// With `fuse: true`, one iteration (the body, then the next
+        /// condition) compiled: state and `free` slots in, the new state
+        /// and the condition's flag out.
+        fused: Option<(Fused, Vec<usize>)>,
     },
     Cond {
         outs: Vec<usize>,
@@ -114,9 +119,10 @@ impl Programs {
                 "the worker holds {MAX_PROGRAMS} programs, its most; release some first"
             ));
         }
-        let mut program = Program::parse(attrs)?;
-        if attrs.get("fuse").is_some_and(|f| f.is_atom("true")) && !checks.detect_non_finite {
-            program.fuse(id, *checks);
+        let fuse = attrs.get("fuse").is_some_and(|f| f.is_atom("true")) && !checks.detect_non_finite;
+        let mut program = Program::parse(attrs, fuse.then_some(*checks))?;
+        if fuse {
+            program.fuse(*checks);
         }
         self.held.insert(id, program);
         Ok(())
@@ -128,7 +134,9 @@ impl Programs {
 }
 
 impl Program {
-    fn parse(attrs: &Term) -> Result<Program, String> {
+    /// With `fuse`, the while loops whose iterations can be traced are
+    /// compiled (see `fuse_loops`).
+    fn parse(attrs: &Term, fuse: Option<Checks>) -> Result<Program, String> {
         let slots = field(attrs, "slots")?
             .as_int()
             .and_then(|n| usize::try_from(n).ok())
@@ -139,7 +147,12 @@ impl Program {
             slots,
             inputs: p.slot_list(field(attrs, "inputs")?)?,
             outputs: p.slot_list(field(attrs, "outputs")?)?,
-            steps: Rc::new(p.steps(field(attrs, "steps")?)?),
+            steps: Rc::new(p.steps(field(attrs, "steps")?).map(|mut steps| {
+                if let Some(checks) = fuse {
+                    fuse_loops(&mut steps, slots, checks);
+                }
+                steps
+            })?),
             fused: None,
         })
     }
@@ -148,7 +161,7 @@ impl Program {
     /// be traced (no control flow, no op that evaluates while it is built)
     /// and a C++ compiler is there for MLX's CPU kernels; else it stays
     /// unfused.
-    fn fuse(&mut self, id: u64, checks: Checks) {
+    fn fuse(&mut self, checks: Checks) {
         if !self.steps.iter().all(fusible) || !compiler_available() {
             return;
         }
@@ -161,16 +174,7 @@ impl Program {
             failed.set(result.is_err());
             result.map_err(|f| format!("{}: {}", f.op, f.message))
         });
-        match Compiled::new(id as usize, self.outputs.len(), body) {
-            Ok(compiled) => {
-                self.fused = Some(Fused {
-                    compiled,
-                    on: Cell::new(true),
-                    trace_failed,
-                })
-            }
-            Err(e) => log::warn!("program {id} runs unfused: {}", e.message),
-        }
+        self.fused = Fused::new(self.outputs.len(), body, trace_failed);
     }
 
     pub fn inputs(&self) -> usize {
@@ -184,18 +188,9 @@ impl Program {
     /// Runs the program on `inputs` (one per input slot); its outputs, or
     /// the first failure.
     pub fn run(&self, inputs: &[&Array], checks: &Checks) -> Result<Vec<Array>, Fail> {
-        if let Some(fused) = self.fused.as_ref().filter(|f| f.on.get()) {
-            match fused.compiled.call(inputs) {
-                Ok(arrays) => {
-                    budget::admit_results(&arrays).map_err(|e| Failure::new("run_program", e.to_string()))?;
-                    return Ok(arrays);
-                }
-                Err(_) if fused.trace_failed.get() => {}
-                Err(e) => {
-                    log::warn!("a program runs unfused from now on: {}", e.message);
-                    fused.on.set(false);
-                }
-            }
+        if let Some(arrays) = self.fused.as_ref().and_then(|f| f.call(inputs)) {
+            budget::admit_results(&arrays).map_err(|e| Failure::new("run_program", e.to_string()))?;
+            return Ok(arrays);
         }
         execute(
             &self.steps,
@@ -206,6 +201,102 @@ impl Program {
             checks,
             false,
         )
+    }
+}
+
+impl Fused {
+    fn new(outputs: usize, body: crate::mlx::Trace, trace_failed: Rc<Cell<bool>>) -> Option<Fused> {
+        // MLX caches traces by this id, per thread.
+        static NEXT_ID: AtomicUsize = AtomicUsize::new(1);
+        match Compiled::new(NEXT_ID.fetch_add(1, Ordering::Relaxed), outputs, body) {
+            Ok(compiled) => Some(Fused {
+                compiled,
+                on: Cell::new(true),
+                trace_failed,
+            }),
+            Err(e) => {
+                log::warn!("a program runs unfused: {}", e.message);
+                None
+            }
+        }
+    }
+
+    /// The compiled function's outputs, or None when this call must run
+    /// unfused (its trace failed in a step, or compiling is off).
+    fn call(&self, inputs: &[&Array]) -> Option<Vec<Array>> {
+        if !self.on.get() {
+            return None;
+        }
+        match self.compiled.call(inputs) {
+            Ok(arrays) => Some(arrays),
+            Err(_) if self.trace_failed.get() => None,
+            Err(e) => {
+                log::warn!("a program runs unfused from now on: {}", e.message);
+                self.on.set(false);
+                None
+            }
+        }
+    }
+}
+
+/// Compiles each while loop of `steps` (nested ones too) whose condition
+/// and body can be traced: one iteration becomes one fused call.
+fn fuse_loops(steps: &mut [Step], slots: usize, checks: Checks) {
+    for step in steps.iter_mut() {
+        let Step::While {
+            state,
+            cond,
+            pred,
+            body,
+            fused,
+            ..
+        } = step
+        else {
+            continue;
+        };
+        if !cond.iter().chain(&body.steps).all(fusible) || !compiler_available() {
+            continue;
+        }
+        // What an iteration reads and does not define itself.
+        let mut defined: Vec<usize> = state.clone();
+        let mut free = Vec::new();
+        for s in cond.iter().chain(&body.steps) {
+            if let Step::Op { ins, outs, .. } = s {
+                free.extend(ins.iter().filter(|i| !defined.contains(i)));
+                defined.extend(outs);
+            }
+        }
+        free.extend(body.results.iter().chain([&*pred]).filter(|i| !defined.contains(i)));
+        free.sort_unstable();
+        free.dedup();
+        let trace_failed = Rc::new(Cell::new(false));
+        let n_state = state.len();
+        let (cond, body, state, pred, failed) =
+            (cond.clone(), body.clone(), state.clone(), *pred, trace_failed.clone());
+        let free_slots = free.clone();
+        let iteration = Box::new(move |arrays: &[Array]| {
+            let result = (|| {
+                let mut run = Run {
+                    slots: (0..slots).map(|_| None).collect(),
+                    checks: &checks,
+                    tracing: true,
+                };
+                let values = arrays.iter().map(share).collect::<Result<Vec<_>, Fail>>()?;
+                let (state_values, free_values) = values.split_at(state.len());
+                run.set(&state, state_values.iter().map(share).collect::<Result<_, _>>()?);
+                run.set(&free_slots, free_values.iter().map(share).collect::<Result<_, _>>()?);
+                run.steps(&body.steps)?;
+                let results = run.values(&body.results, "while")?;
+                run.set(&state, results);
+                run.steps(&cond)?;
+                let mut out = run.values(&state, "while")?;
+                out.push(flag(run.get(pred, "while")?, "while")?);
+                Ok(out)
+            })();
+            failed.set(result.is_err());
+            result.map_err(|f: Fail| format!("{}: {}", f.op, f.message))
+        });
+        *fused = Fused::new(n_state + 1, iteration, trace_failed).map(|f| (f, free));
     }
 }
 
@@ -409,9 +500,10 @@ impl Parser {
                     init: ins,
                     outs,
                     state,
-                    cond: self.steps(get("cond")?)?,
+                    cond: Rc::new(self.steps(get("cond")?)?),
                     pred: self.slot(get("pred")?)?,
-                    body,
+                    body: Rc::new(body),
+                    fused: None,
                 })
             }
             "cond" => {
@@ -536,11 +628,26 @@ impl Run<'_> {
                 cond,
                 pred,
                 body,
+                fused,
             } => {
                 let values = self.values(init, "while")?;
                 self.set(state, values);
                 let mut flag = self.condition(cond, *pred, state)?;
                 while read_flag(&flag, "while")? {
+                    if let Some(mut arrays) = fused
+                        .as_ref()
+                        .and_then(|(f, free)| self.fused_iteration(f, state, free))
+                    {
+                        budget::admit_results(&arrays).map_err(|e| Failure::new("while", e.to_string()))?;
+                        flag = arrays.pop().expect("the flag");
+                        self.set(state, arrays);
+                        let mut refs = vec![&flag];
+                        for slot in state.iter() {
+                            refs.push(self.get(*slot, "while")?);
+                        }
+                        budget::evaluate(&refs).map_err(|e| eval_failure("while", e))?;
+                        continue;
+                    }
                     self.steps(&body.steps)?;
                     let values = self.values(&body.results, "while")?;
                     self.set(state, values);
@@ -580,6 +687,17 @@ impl Run<'_> {
         }
         budget::evaluate(&arrays).map_err(|e| eval_failure("while", e))?;
         Ok(flag)
+    }
+
+    /// One fused iteration of a while loop: its new state and flag, or None
+    /// to run this iteration unfused.
+    fn fused_iteration(&self, fused: &Fused, state: &[usize], free: &[usize]) -> Option<Vec<Array>> {
+        let inputs: Vec<&Array> = state
+            .iter()
+            .chain(free)
+            .map(|s| self.slots[*s].as_ref())
+            .collect::<Option<_>>()?;
+        fused.call(&inputs)
     }
 
     /// One op, through its builder and the checks an eager request passes.

@@ -148,6 +148,24 @@ fn while_loops_run_in_the_worker() {
 }
 
 #[test]
+fn a_fused_while_loop_gives_the_unfused_results() {
+    let mut w = Worker::start(&[]);
+    let fused = match doubling_loop(3) {
+        Term::Map(mut pairs) => {
+            pairs.push((Term::atom("fuse"), Term::atom("true")));
+            Term::Map(pairs)
+        }
+        _ => unreachable!(),
+    };
+    assert_ok(&call(&mut w, 1, "define_program", fused));
+    w.upload_f32(1, &[2], &[1.0, -0.5]);
+    w.upload(2, &[], "s", 32, &i32_bytes(&[10]));
+    w.request(0, "run_program", &[20, 21], &[1, 2], Term::int(3));
+    assert_eq!(w.read_f32(2, 20), vec![1024.0, -512.0]);
+    assert_eq!(i32_values(&w.read_bytes(3, 21)), vec![10]);
+}
+
+#[test]
 fn cond_picks_its_branch_in_the_worker() {
     let mut w = Worker::start(&[]);
     // cond: sum(x) > 0 -> x * 10; true -> x - 10

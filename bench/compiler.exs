@@ -74,7 +74,10 @@ shapes = [{32, 784}, {784, 256}, {256}, {256, 10}, {10}]
 bin_args = shapes |> Enum.with_index() |> Enum.map(fn {s, i} -> binary.(s, i) end)
 args = Enum.map(bin_args, to_moat)
 jit_mlp = jit.(&M.mlp/5)
+fused_mlp = Nx.Defn.jit(&M.mlp/5, compiler: Moat.Compiler, fuse: true)
 eval_mlp = eval.(&M.mlp/5)
+# The first fused call compiles its kernels (or finds them in the kernel cache).
+read.(apply(fused_mlp, args))
 reps = 300
 
 # Interleaved rounds, so that the load of this shared VM hits every row alike.
@@ -82,6 +85,7 @@ rounds =
   for _ <- 1..3 do
     %{
       jit: med.(reps, fn -> read.(apply(jit_mlp, args)) end),
+      fused: med.(reps, fn -> read.(apply(fused_mlp, args)) end),
       eager: Nx.with_default_backend(Moat.Backend, fn -> med.(reps, fn -> read.(apply(&M.mlp_eager/5, args)) end) end),
       evaluator: med.(reps, fn -> read.(apply(eval_mlp, args)) end)
     }
@@ -96,29 +100,39 @@ IO.puts("2-layer MLP, batch 32, 784→256→10, relu, softmax (best of 3 rounds 
 Bench.row(["", "median", "vs jit"])
 Bench.row(["---", "---:", "---:"])
 Bench.row(["Moat.Compiler (jit)", Bench.fmt(best.(:jit)), "1×"])
+Bench.row(["Moat.Compiler (jit, fuse: true)", Bench.fmt(best.(:fused)), Bench.ratio(best.(:fused), best.(:jit))])
 Bench.row(["Moat eager (plain Nx calls)", Bench.fmt(best.(:eager)), Bench.ratio(best.(:eager), best.(:jit))])
 Bench.row(["Nx.Defn.Evaluator on Moat", Bench.fmt(best.(:evaluator)), Bench.ratio(best.(:evaluator), best.(:jit))])
 Bench.row(["Nx.Defn.Evaluator on Nx.BinaryBackend", Bench.fmt(binary_mlp), Bench.ratio(binary_mlp, best.(:jit))])
 
 tiny = Nx.backend_copy(Nx.tensor([1.0, 2.0, 3.0, 4.0]), Moat.Backend)
 jit_chain = jit.(&M.chain(&1, 34))
+fused_chain = Nx.Defn.jit(&M.chain(&1, 34), compiler: Moat.Compiler, fuse: true)
+read.(fused_chain.(tiny))
 jit_one = jit.(&Nx.add(&1, 1.0))
 
+# Frames sent on the connection during one call; the least of 20, as the
+# releaser process sends :release frames of its own now and then.
 count_frames = fn fun ->
-  f0 = frames.()
-  fun.()
-  frames.() - f0
+  Enum.min(
+    for _ <- 1..20 do
+      f0 = frames.()
+      fun.()
+      frames.() - f0
+    end
+  )
 end
 
 chain_frames = count_frames.(fn -> jit_chain.(tiny) end)
 eager_frames = Nx.with_default_backend(Moat.Backend, fn -> count_frames.(fn -> M.chain(tiny, 34) end) end)
 chain_jit = med.(500, fn -> read.(jit_chain.(tiny)) end)
+chain_fused = med.(500, fn -> read.(fused_chain.(tiny)) end)
 one_jit = med.(500, fn -> read.(jit_one.(tiny)) end)
 chain_eager = Nx.with_default_backend(Moat.Backend, fn -> med.(500, fn -> read.(M.chain(tiny, 34)) end) end)
 one_eager = Nx.with_default_backend(Moat.Backend, fn -> med.(500, fn -> read.(Nx.add(tiny, 1.0)) end) end)
 
 IO.puts("\n102 element-wise ops on f32[4] (34 × multiply, add, subtract by scalars):\n")
-Bench.row(["", "frames per call", "median", "one op, same path", "difference"])
+Bench.row(["", "frames per call (a readback adds one)", "median", "one op, same path", "difference"])
 Bench.row(["---", "---:", "---:", "---:", "---:"])
 
 Bench.row([
@@ -127,6 +141,14 @@ Bench.row([
   Bench.fmt(chain_jit),
   Bench.fmt(one_jit),
   Bench.fmt(chain_jit - one_jit)
+])
+
+Bench.row([
+  "Moat.Compiler (jit, fuse: true)",
+  "#{count_frames.(fn -> fused_chain.(tiny) end)}",
+  Bench.fmt(chain_fused),
+  Bench.fmt(one_jit),
+  Bench.fmt(chain_fused - one_jit)
 ])
 
 Bench.row([
@@ -196,3 +218,27 @@ Bench.row(["a structure new to the worker (lowering, definition, call)", Bench.f
 Bench.row(["a structure the worker holds (lowering, call)", Bench.fmt(hit / 1000)])
 Bench.row(["lowering alone (worker holds the program)", Bench.fmt(lowering / 1000)])
 Bench.row(["a replay, for comparison", Bench.fmt(best.(:jit) / 1000)])
+
+# Fused first calls: a worker whose kernel cache starts empty (cold: MLX
+# runs g++), then a second worker on the same cache (warm).
+cache = Path.join(System.tmp_dir!(), "moat-bench-kernels-#{System.unique_integer([:positive])}")
+
+fused_first = fn name ->
+  {:ok, _} = Moat.Worker.start_link(name: name, kernel_cache: cache)
+  worker_args = Enum.map(bin_args, &Nx.backend_copy(&1, {Moat.Backend, worker: name}))
+
+  time =
+    Bench.time_us(fn ->
+      fun = Nx.Defn.compile(&M.mlp/5, templates, compiler: Moat.Compiler, worker: name, fuse: true)
+      read.(apply(fun, worker_args))
+    end)
+
+  GenServer.stop(name)
+  time
+end
+
+cold = fused_first.(:bench_cold_kernels)
+warm = fused_first.(:bench_warm_kernels)
+File.rm_rf!(cache)
+Bench.row(["fuse: true, empty kernel cache (MLX compiles the kernels with g++)", Bench.fmt(cold / 1000)])
+Bench.row(["fuse: true, kernels cached by an earlier worker", Bench.fmt(warm / 1000)])

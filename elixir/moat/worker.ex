@@ -41,6 +41,10 @@ defmodule Moat.Worker do
       through shared memory (1 MiB); smaller ones are cheaper through the
       pipe
     * `:hello_timeout` - how long to wait for the worker's handshake (15 s)
+    * `:kernel_cache` - where MLX keeps the fused kernels it compiles for
+      `Moat.Compiler`'s `fuse: true` (default: `moat-kernels` in the user's
+      cache folder, `~/.cache/moat-kernels` on Linux; default from
+      `config :moat, :kernel_cache`)
     * `:debug` - debug checks, off by default (default from `config :moat, :debug`):
       * `detect_non_finite: true` - every op evaluates its float results and
         fails if they hold NaN or an infinity, so reading the result raises a
@@ -75,6 +79,18 @@ defmodule Moat.Worker do
   alias Moat.{Client, Finalizer, Protocol, Releaser, Shared}
 
   @u64 1 <<< 64
+
+  # MLX writes and compiles the C++ of fused kernels (Moat.Compiler's
+  # `fuse: true`) in its temporary folder, and keeps them there for the next
+  # process: that folder is made the cache.
+  defp kernel_cache_env(dir) do
+    dir = dir || to_string(:filename.basedir(:user_cache, ~c"moat-kernels"))
+
+    case File.mkdir_p(dir) do
+      :ok -> [{~c"TMPDIR", String.to_charlist(dir)}]
+      {:error, _} -> []
+    end
+  end
 
   @doc false
   def child_spec(opts) do
@@ -132,7 +148,8 @@ defmodule Moat.Worker do
         {:packet, 4},
         :exit_status,
         :nouse_stdio,
-        {:args, args}
+        {:args, args},
+        {:env, kernel_cache_env(setting.(:kernel_cache, nil))}
       ])
 
     with {:ok, info} <- await_hello(port, setting.(:hello_timeout)) do

@@ -60,6 +60,17 @@ const void* moat_array_data(const moat_array* a);
 
 // Evaluation
 int moat_eval(moat_array* const* arrays, size_t n);
+
+// mlx::core::compile of a function whose body is the callback `trace`: it
+// receives owned handles of the inputs (tracers) and writes owned handles of
+// its `outputs` into `outs`, returning MOAT_OK, or anything else to fail.
+// `id` keys MLX's cache of traces; unique among live compiled functions.
+typedef struct moat_compiled moat_compiled;
+typedef int (*moat_trace_fn)(void* ctx, moat_array* const* ins, size_t n_ins, moat_array** outs, size_t n_outs);
+int moat_compile(moat_trace_fn trace, void* ctx, uintptr_t id, size_t outputs, moat_compiled** out);
+int moat_compiled_call(const moat_compiled* f, moat_array* const* ins, size_t n_ins, moat_array** outs,
+                       size_t n_outs);
+void moat_compiled_free(moat_compiled* f);
 int moat_async_eval(moat_array* const* arrays, size_t n);
 
 // Memory (memory.cpp): MLX's allocator statistics and limits.

@@ -9,12 +9,15 @@
 
 use crate::budget::{self, EvalError};
 use crate::checks::Checks;
-use crate::mlx::{ops, Array, Dtype};
+use crate::mlx::{ops, Array, Compiled, Dtype};
 use crate::ops::{builder, Builder};
 use crate::registry::Failure;
 use crate::term::Term;
+use std::cell::Cell;
 use std::collections::HashMap;
 use std::rc::Rc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::OnceLock;
 
 /// Programs one worker holds at most; the client evicts below this.
 pub const MAX_PROGRAMS: usize = 4096;
@@ -27,27 +30,45 @@ pub struct Program {
     slots: usize,
     inputs: Vec<usize>,
     outputs: Vec<usize>,
-    steps: Vec<Step>,
+    steps: Rc<Vec<Step>>,
+    fused: Option<Fused>,
+}
+
+/// A program run through `mlx::core::compile` (`fuse: true`), which fuses
+/// its element-wise chains into single kernels.
+struct Fused {
+    compiled: Compiled,
+    /// Off once compiling failed for a reason other than the program's own
+    /// steps (no C++ compiler, say): it then runs unfused.
+    on: Cell<bool>,
+    /// Whether the last trace failed in a step: that call runs unfused, and
+    /// reports the step's failure as an unfused run would.
+    trace_failed: Rc<Cell<bool>>,
 }
 
 enum Step {
-    /// A small creation op (`constant`, `iota`, `eye`), evaluated once when
-    /// the program is defined: each run shares its arrays.
-    Literal { arrays: Vec<Array>, outs: Vec<usize> },
     Op {
         name: String,
         builder: Builder,
         ins: Vec<usize>,
         outs: Vec<usize>,
         attrs: Term,
+        /// For a small creation op (`constant`, `iota`, `eye`), its arrays,
+        /// evaluated once when the program is defined: each run shares them
+        /// (a trace builds its own, as MLX compiles only what it traces).
+        literal: Option<Vec<Array>>,
     },
     While {
         init: Vec<usize>,
         outs: Vec<usize>,
         state: Vec<usize>,
-        cond: Vec<Step>,
+        cond: Rc<Vec<Step>>,
         pred: usize,
-        body: Branch,
+        body: Rc<Branch>,
+        /// With `fuse: true`, one iteration (the body, then the next
+        /// condition) compiled: state and `free` slots in, the new state
+        /// and the condition's flag out.
+        fused: Option<(Fused, Vec<usize>)>,
     },
     Cond {
         outs: Vec<usize>,
@@ -81,8 +102,9 @@ impl Programs {
         self.held.get(&id)
     }
 
-    /// Parses and keeps `attrs` (`%{id:, slots:, inputs:, outputs:, steps:}`).
-    pub fn define(&mut self, attrs: &Term) -> Result<(), String> {
+    /// Parses and keeps `attrs` (`%{id:, slots:, inputs:, outputs:, steps:}`,
+    /// and `fuse: true` to fuse it when it can be).
+    pub fn define(&mut self, attrs: &Term, checks: &Checks) -> Result<(), String> {
         let id = attrs
             .get("id")
             .and_then(Term::as_int)
@@ -97,7 +119,12 @@ impl Programs {
                 "the worker holds {MAX_PROGRAMS} programs, its most; release some first"
             ));
         }
-        self.held.insert(id, Program::parse(attrs)?);
+        let fuse = attrs.get("fuse").is_some_and(|f| f.is_atom("true")) && !checks.detect_non_finite;
+        let mut program = Program::parse(attrs, fuse.then_some(*checks))?;
+        if fuse {
+            program.fuse(*checks);
+        }
+        self.held.insert(id, program);
         Ok(())
     }
 
@@ -107,7 +134,9 @@ impl Programs {
 }
 
 impl Program {
-    fn parse(attrs: &Term) -> Result<Program, String> {
+    /// With `fuse`, the while loops whose iterations can be traced are
+    /// compiled (see `fuse_loops`).
+    fn parse(attrs: &Term, fuse: Option<Checks>) -> Result<Program, String> {
         let slots = field(attrs, "slots")?
             .as_int()
             .and_then(|n| usize::try_from(n).ok())
@@ -118,8 +147,34 @@ impl Program {
             slots,
             inputs: p.slot_list(field(attrs, "inputs")?)?,
             outputs: p.slot_list(field(attrs, "outputs")?)?,
-            steps: p.steps(field(attrs, "steps")?)?,
+            steps: Rc::new(p.steps(field(attrs, "steps")?).map(|mut steps| {
+                if let Some(checks) = fuse {
+                    fuse_loops(&mut steps, slots, checks);
+                }
+                steps
+            })?),
+            fused: None,
         })
+    }
+
+    /// Compiles the program with `mlx::core::compile` when every step can
+    /// be traced (no control flow, no op that evaluates while it is built)
+    /// and a C++ compiler is there for MLX's CPU kernels; else it stays
+    /// unfused.
+    fn fuse(&mut self, checks: Checks) {
+        if !self.steps.iter().all(fusible) || !compiler_available() {
+            return;
+        }
+        let trace_failed = Rc::new(Cell::new(false));
+        let (steps, slots, failed) = (self.steps.clone(), self.slots, trace_failed.clone());
+        let (inputs, outputs) = (self.inputs.clone(), self.outputs.clone());
+        let body = Box::new(move |arrays: &[Array]| {
+            let refs: Vec<&Array> = arrays.iter().collect();
+            let result = execute(&steps, slots, &inputs, &outputs, &refs, &checks, true);
+            failed.set(result.is_err());
+            result.map_err(|f| format!("{}: {}", f.op, f.message))
+        });
+        self.fused = Fused::new(self.outputs.len(), body, trace_failed);
     }
 
     pub fn inputs(&self) -> usize {
@@ -133,14 +188,251 @@ impl Program {
     /// Runs the program on `inputs` (one per input slot); its outputs, or
     /// the first failure.
     pub fn run(&self, inputs: &[&Array], checks: &Checks) -> Result<Vec<Array>, Fail> {
-        let mut slots: Vec<Option<Array>> = (0..self.slots).map(|_| None).collect();
-        for (slot, array) in self.inputs.iter().zip(inputs) {
-            slots[*slot] = Some(share(array)?);
+        if let Some(arrays) = self.fused.as_ref().and_then(|f| f.call(inputs)) {
+            budget::admit_results(&arrays).map_err(|e| Failure::new("run_program", e.to_string()))?;
+            return Ok(arrays);
         }
-        let mut run = Run { slots, checks };
-        run.steps(&self.steps)?;
-        run.values(&self.outputs, "run_program")
+        execute(
+            &self.steps,
+            self.slots,
+            &self.inputs,
+            &self.outputs,
+            inputs,
+            checks,
+            false,
+        )
     }
+}
+
+impl Fused {
+    fn new(outputs: usize, body: crate::mlx::Trace, trace_failed: Rc<Cell<bool>>) -> Option<Fused> {
+        // MLX caches traces by this id, per thread.
+        static NEXT_ID: AtomicUsize = AtomicUsize::new(1);
+        match Compiled::new(NEXT_ID.fetch_add(1, Ordering::Relaxed), outputs, body) {
+            Ok(compiled) => Some(Fused {
+                compiled,
+                on: Cell::new(true),
+                trace_failed,
+            }),
+            Err(e) => {
+                log::warn!("a program runs unfused: {}", e.message);
+                None
+            }
+        }
+    }
+
+    /// The compiled function's outputs, or None when this call must run
+    /// unfused (its trace failed in a step, or compiling is off).
+    fn call(&self, inputs: &[&Array]) -> Option<Vec<Array>> {
+        if !self.on.get() {
+            return None;
+        }
+        match self.compiled.call(inputs) {
+            Ok(arrays) => Some(arrays),
+            Err(_) if self.trace_failed.get() => None,
+            Err(e) => {
+                log::warn!("a program runs unfused from now on: {}", e.message);
+                self.on.set(false);
+                None
+            }
+        }
+    }
+}
+
+/// Compiles each while loop of `steps` (nested ones too) whose condition
+/// and body can be traced: one iteration becomes one fused call.
+fn fuse_loops(steps: &mut [Step], slots: usize, checks: Checks) {
+    for step in steps.iter_mut() {
+        let Step::While {
+            state,
+            cond,
+            pred,
+            body,
+            fused,
+            ..
+        } = step
+        else {
+            continue;
+        };
+        if !cond.iter().chain(&body.steps).all(fusible) || !compiler_available() {
+            continue;
+        }
+        // What an iteration reads and does not define itself.
+        let mut defined: Vec<usize> = state.clone();
+        let mut free = Vec::new();
+        for s in cond.iter().chain(&body.steps) {
+            if let Step::Op { ins, outs, .. } = s {
+                free.extend(ins.iter().filter(|i| !defined.contains(i)));
+                defined.extend(outs);
+            }
+        }
+        free.extend(body.results.iter().chain([&*pred]).filter(|i| !defined.contains(i)));
+        free.sort_unstable();
+        free.dedup();
+        let trace_failed = Rc::new(Cell::new(false));
+        let n_state = state.len();
+        let (cond, body, state, pred, failed) =
+            (cond.clone(), body.clone(), state.clone(), *pred, trace_failed.clone());
+        let free_slots = free.clone();
+        let iteration = Box::new(move |arrays: &[Array]| {
+            let result = (|| {
+                let mut run = Run {
+                    slots: (0..slots).map(|_| None).collect(),
+                    checks: &checks,
+                    tracing: true,
+                };
+                let values = arrays.iter().map(share).collect::<Result<Vec<_>, Fail>>()?;
+                let (state_values, free_values) = values.split_at(state.len());
+                run.set(&state, state_values.iter().map(share).collect::<Result<_, _>>()?);
+                run.set(&free_slots, free_values.iter().map(share).collect::<Result<_, _>>()?);
+                run.steps(&body.steps)?;
+                let results = run.values(&body.results, "while")?;
+                run.set(&state, results);
+                run.steps(&cond)?;
+                let mut out = run.values(&state, "while")?;
+                out.push(flag(run.get(pred, "while")?, "while")?);
+                Ok(out)
+            })();
+            failed.set(result.is_err());
+            result.map_err(|f: Fail| format!("{}: {}", f.op, f.message))
+        });
+        *fused = Fused::new(n_state + 1, iteration, trace_failed).map(|f| (f, free));
+    }
+}
+
+/// Runs `steps` over fresh slots: `inputs` fill `input_slots`, the result
+/// is the `output_slots`.
+fn execute(
+    steps: &[Step],
+    slots: usize,
+    input_slots: &[usize],
+    output_slots: &[usize],
+    inputs: &[&Array],
+    checks: &Checks,
+    tracing: bool,
+) -> Result<Vec<Array>, Fail> {
+    let mut values: Vec<Option<Array>> = (0..slots).map(|_| None).collect();
+    for (slot, array) in input_slots.iter().zip(inputs) {
+        values[*slot] = Some(share(array)?);
+    }
+    let mut run = Run {
+        slots: values,
+        checks,
+        tracing,
+    };
+    run.steps(steps)?;
+    run.values(output_slots, "run_program")
+}
+
+/// Ops a trace can hold: they build lazily (no evaluation while built).
+const FUSIBLE: &[&str] = &[
+    "constant",
+    "iota",
+    "eye",
+    "astype",
+    "reshape",
+    "broadcast_to",
+    "bitcast",
+    "broadcast",
+    "transpose",
+    "reverse",
+    "pad",
+    "concatenate",
+    "stack",
+    "select",
+    "clip",
+    "copy",
+    "add",
+    "subtract",
+    "multiply",
+    "divide",
+    "pow",
+    "atan2",
+    "min",
+    "max",
+    "bitwise_and",
+    "bitwise_or",
+    "bitwise_xor",
+    "left_shift",
+    "right_shift",
+    "equal",
+    "not_equal",
+    "greater",
+    "less",
+    "greater_equal",
+    "less_equal",
+    "logical_and",
+    "logical_or",
+    "logical_xor",
+    "exp",
+    "expm1",
+    "log",
+    "log1p",
+    "sigmoid",
+    "cos",
+    "sin",
+    "tan",
+    "cosh",
+    "sinh",
+    "tanh",
+    "acos",
+    "asin",
+    "atan",
+    "acosh",
+    "asinh",
+    "atanh",
+    "sqrt",
+    "rsqrt",
+    "cbrt",
+    "erf",
+    "erfc",
+    "erf_inv",
+    "abs",
+    "bitwise_not",
+    "ceil",
+    "conjugate",
+    "floor",
+    "negate",
+    "round",
+    "sign",
+    "real",
+    "imag",
+    "is_nan",
+    "is_infinity",
+    "logical_not",
+    "phase",
+    "sum",
+    "product",
+    "reduce_max",
+    "reduce_min",
+    "all",
+    "any",
+    "argmax",
+    "argmin",
+    "matmul",
+    "dot",
+];
+
+fn fusible(step: &Step) -> bool {
+    matches!(step, Step::Op { name, .. } if FUSIBLE.contains(&name.as_str()))
+}
+
+/// Whether MLX can build fused CPU kernels here: it compiles them with g++
+/// at run time (checked once).
+fn compiler_available() -> bool {
+    static AVAILABLE: OnceLock<bool> = OnceLock::new();
+    *AVAILABLE.get_or_init(|| {
+        let found = std::process::Command::new("g++")
+            .arg("--version")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+        if !found {
+            log::warn!("no C++ compiler (g++) for MLX's fused kernels: programs run unfused");
+        }
+        found
+    })
 }
 
 fn field<'a>(attrs: &'a Term, key: &str) -> Result<&'a Term, String> {
@@ -208,9 +500,10 @@ impl Parser {
                     init: ins,
                     outs,
                     state,
-                    cond: self.steps(get("cond")?)?,
+                    cond: Rc::new(self.steps(get("cond")?)?),
                     pred: self.slot(get("pred")?)?,
-                    body,
+                    body: Rc::new(body),
+                    fused: None,
                 })
             }
             "cond" => {
@@ -242,12 +535,10 @@ impl Parser {
                 if !arity.accepts(ins.len()) {
                     return Err(format!("{name} takes {arity} inputs, got {}", ins.len()));
                 }
-                if let Some(arrays) = literal(name, builder, attrs, outs.len()) {
-                    return Ok(Step::Literal { arrays, outs });
-                }
                 Ok(Step::Op {
                     name: name.to_string(),
                     builder,
+                    literal: literal(name, builder, attrs, outs.len()),
                     ins,
                     outs,
                     attrs: attrs.clone(),
@@ -280,6 +571,8 @@ fn literal(name: &str, builder: Builder, attrs: &Term, outs: usize) -> Option<Ve
 struct Run<'a> {
     slots: Vec<Option<Array>>,
     checks: &'a Checks,
+    /// Inside `mlx::core::compile`'s trace.
+    tracing: bool,
 }
 
 fn share(array: &Array) -> Result<Array, Fail> {
@@ -309,19 +602,18 @@ impl Run<'_> {
 
     fn step(&mut self, step: &Step) -> Result<(), Fail> {
         match step {
-            Step::Literal { arrays, outs } => {
-                let arrays = arrays.iter().map(share).collect::<Result<Vec<_>, Fail>>()?;
-                self.set(outs, arrays);
-                Ok(())
-            }
             Step::Op {
                 name,
                 builder,
                 ins,
                 outs,
                 attrs,
+                literal,
             } => {
-                let arrays = self.op(name, *builder, ins, attrs)?;
+                let arrays = match literal {
+                    Some(arrays) if !self.tracing => arrays.iter().map(share).collect::<Result<Vec<_>, Fail>>()?,
+                    _ => self.op(name, *builder, ins, attrs)?,
+                };
                 if arrays.len() != outs.len() {
                     let message = format!("{name} defines {} tensors, the step named {}", arrays.len(), outs.len());
                     return Err(Failure::new(name, message));
@@ -336,11 +628,26 @@ impl Run<'_> {
                 cond,
                 pred,
                 body,
+                fused,
             } => {
                 let values = self.values(init, "while")?;
                 self.set(state, values);
                 let mut flag = self.condition(cond, *pred, state)?;
                 while read_flag(&flag, "while")? {
+                    if let Some(mut arrays) = fused
+                        .as_ref()
+                        .and_then(|(f, free)| self.fused_iteration(f, state, free))
+                    {
+                        budget::admit_results(&arrays).map_err(|e| Failure::new("while", e.to_string()))?;
+                        flag = arrays.pop().expect("the flag");
+                        self.set(state, arrays);
+                        let mut refs = vec![&flag];
+                        for slot in state.iter() {
+                            refs.push(self.get(*slot, "while")?);
+                        }
+                        budget::evaluate(&refs).map_err(|e| eval_failure("while", e))?;
+                        continue;
+                    }
                     self.steps(&body.steps)?;
                     let values = self.values(&body.results, "while")?;
                     self.set(state, values);
@@ -380,6 +687,17 @@ impl Run<'_> {
         }
         budget::evaluate(&arrays).map_err(|e| eval_failure("while", e))?;
         Ok(flag)
+    }
+
+    /// One fused iteration of a while loop: its new state and flag, or None
+    /// to run this iteration unfused.
+    fn fused_iteration(&self, fused: &Fused, state: &[usize], free: &[usize]) -> Option<Vec<Array>> {
+        let inputs: Vec<&Array> = state
+            .iter()
+            .chain(free)
+            .map(|s| self.slots[*s].as_ref())
+            .collect::<Option<_>>()?;
+        fused.call(&inputs)
     }
 
     /// One op, through its builder and the checks an eager request passes.

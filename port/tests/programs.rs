@@ -148,6 +148,24 @@ fn while_loops_run_in_the_worker() {
 }
 
 #[test]
+fn a_fused_while_loop_gives_the_unfused_results() {
+    let mut w = Worker::start(&[]);
+    let fused = match doubling_loop(3) {
+        Term::Map(mut pairs) => {
+            pairs.push((Term::atom("fuse"), Term::atom("true")));
+            Term::Map(pairs)
+        }
+        _ => unreachable!(),
+    };
+    assert_ok(&call(&mut w, 1, "define_program", fused));
+    w.upload_f32(1, &[2], &[1.0, -0.5]);
+    w.upload(2, &[], "s", 32, &i32_bytes(&[10]));
+    w.request(0, "run_program", &[20, 21], &[1, 2], Term::int(3));
+    assert_eq!(w.read_f32(2, 20), vec![1024.0, -512.0]);
+    assert_eq!(i32_values(&w.read_bytes(3, 21)), vec![10]);
+}
+
+#[test]
 fn cond_picks_its_branch_in_the_worker() {
     let mut w = Worker::start(&[]);
     // cond: sum(x) > 0 -> x * 10; true -> x - 10
@@ -227,4 +245,35 @@ fn the_memory_limit_holds_inside_programs() {
     let (op, message) = error_parts(&w.read(3, 10).unwrap_err());
     assert_eq!(op, "negate");
     assert!(message.contains("memory limit exceeded"), "{message}");
+}
+
+#[test]
+fn a_fused_program_gives_the_unfused_results() {
+    let mut w = Worker::start(&[]);
+    let steps = || {
+        vec![
+            step("multiply", &[0, 0], &[1], typed("f", 32)),
+            step("constant", &[], &[2], f32_scalar(0.5)),
+            step("multiply", &[1, 2], &[3], typed("f", 32)),
+            step("exp", &[3], &[4], typed("f", 32)),
+            step("add", &[4, 0], &[5], typed("f", 32)),
+        ]
+    };
+    let with_fuse = |id: u64, fuse: bool| match program(id, 6, &[0], &[5], steps()) {
+        Term::Map(mut pairs) => {
+            pairs.push((Term::atom("fuse"), Term::atom(if fuse { "true" } else { "false" })));
+            Term::Map(pairs)
+        }
+        _ => unreachable!(),
+    };
+    assert_ok(&call(&mut w, 1, "define_program", with_fuse(1, false)));
+    assert_ok(&call(&mut w, 2, "define_program", with_fuse(2, true)));
+    w.upload_f32(1, &[3], &[0.5, -1.0, 2.0]);
+    for (k, id) in [10, 11, 12].into_iter().enumerate() {
+        w.request(0, "run_program", &[id], &[1], Term::int(if k == 0 { 1 } else { 2 }));
+    }
+    let unfused = w.read_bytes(3, 10);
+    assert_eq!(w.read_bytes(4, 11), unfused);
+    // The second run replays the fused trace.
+    assert_eq!(w.read_bytes(5, 12), unfused);
 }

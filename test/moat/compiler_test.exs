@@ -194,6 +194,30 @@ defmodule Moat.CompilerTest do
     assert Nx.to_binary(result) == Nx.to_binary(expected)
   end
 
+  describe "fuse: true" do
+    # MLX compiles fused CPU kernels with g++ at run time (seconds for a new
+    # kernel, then cached in the worker's kernel cache).
+    @describetag timeout: 300_000
+
+    test "fused element-wise chains and the MLP agree with the evaluator" do
+      x = random({4}, 1)
+      fused = jit(&C.tiny_chain/1, fuse: true).(x)
+      assert Nx.to_number(Nx.all_close(fused, evaluate(&C.tiny_chain/1).(x), rtol: 1.0e-6)) == 1
+
+      args = [random({8, 16}, 1), random({16, 12}, 2), random({12}, 3), random({12, 4}, 4), random({4}, 5)]
+      fused = apply(jit(&C.mlp/5, fuse: true), args)
+      assert Nx.to_number(Nx.all_close(fused, apply(evaluate(&C.mlp/5), args), rtol: 1.0e-5)) == 1
+    end
+
+    test "ops that evaluate run unfused; a while loop fuses its iteration" do
+      a = random({4, 3}, 1)
+      assert_same(jit(&C.gathers/2, fuse: true).(a, t([2, 0])), evaluate(&C.gathers/2).(a, t([2, 0])))
+      assert_same(jit(&C.while_tuple/1, fuse: true).(t([1.0, 2.0])), evaluate(&C.while_tuple/1).(t([1.0, 2.0])))
+      error = assert_raise Moat.Error, fn -> jit(&Nx.take(&1, &2), fuse: true).(a, t([9])) |> Nx.to_binary() end
+      assert error.op == :take
+    end
+  end
+
   test "Moat.Compiler's backend and partitions" do
     assert Moat.Compiler.__to_backend__(worker: :w) == {Moat.Backend, worker: :w, device: :cpu}
     assert length(Moat.Compiler.__partitions_options__(max_concurrency: 3)) == 3

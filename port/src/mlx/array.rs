@@ -80,6 +80,13 @@ impl Array {
         self.raw
     }
 
+    /// Gives the handle up to the shim, which frees it.
+    pub(super) fn into_raw(self) -> *mut ffi::moat_array {
+        let raw = self.raw;
+        std::mem::forget(self);
+        raw
+    }
+
     /// Another handle to the same array (MLX arrays are shared nodes).
     pub fn share(&self) -> Result<Array> {
         // SAFETY: `self.raw` is live; the shim writes a fresh handle.

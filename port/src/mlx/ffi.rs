@@ -15,6 +15,19 @@ pub struct moat_buffer {
     _private: [u8; 0],
 }
 
+#[repr(C)]
+pub struct moat_compiled {
+    _private: [u8; 0],
+}
+
+pub type MoatTraceFn = extern "C" fn(
+    ctx: *mut c_void,
+    ins: *const *mut moat_array,
+    n_ins: usize,
+    outs: *mut *mut moat_array,
+    n_outs: usize,
+) -> c_int;
+
 extern "C" {
     pub fn moat_last_error() -> *const c_char;
     pub fn moat_mlx_version() -> *const c_char;
@@ -57,6 +70,22 @@ extern "C" {
 
     pub fn moat_eval(arrays: *const *mut moat_array, n: usize) -> c_int;
     pub fn moat_async_eval(arrays: *const *mut moat_array, n: usize) -> c_int;
+
+    pub fn moat_compile(
+        trace: MoatTraceFn,
+        ctx: *mut c_void,
+        id: usize,
+        outputs: usize,
+        out: *mut *mut moat_compiled,
+    ) -> c_int;
+    pub fn moat_compiled_call(
+        f: *const moat_compiled,
+        ins: *const *mut moat_array,
+        n_ins: usize,
+        outs: *mut *mut moat_array,
+        n_outs: usize,
+    ) -> c_int;
+    pub fn moat_compiled_free(f: *mut moat_compiled);
 
     // -- memory
     pub fn moat_active_memory() -> usize;

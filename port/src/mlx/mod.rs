@@ -5,12 +5,14 @@
 //! which MLX allows from any thread.
 
 mod array;
+mod compiled;
 mod dtype;
 mod ffi;
 pub mod memory;
 pub mod ops;
 
 pub use array::{Array, Buffer, Element, Evaluated};
+pub use compiled::{Compiled, Trace};
 pub use dtype::Dtype;
 
 use std::ffi::CStr;

@@ -9,7 +9,7 @@ use crate::term::Term;
 impl Session {
     pub(super) fn program_call(&mut self, req: &Request) {
         match req.op.as_str() {
-            "define_program" => match self.programs.define(&req.attrs) {
+            "define_program" => match self.programs.define(&req.attrs, &self.checks) {
                 Ok(()) => self.reply(req.seq, Term::atom("nil")),
                 Err(message) => self.fail(req.seq, &req.outs, Failure::new("define_program", message)),
             },

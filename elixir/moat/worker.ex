@@ -52,15 +52,11 @@ defmodule Moat.Worker do
       turns it off). See `Moat`, "Memory".
   """
 
-  # Below this, the pipe's single frame is faster than shared memory's extra
-  # file operations (bench/foundation.exs).
-  @shared_threshold 1024 * 1024
-
   use GenServer
   require Logger
   import Bitwise, only: [<<<: 2]
 
-  alias Moat.{Client, Finalizer, Protocol, Releaser, Shared}
+  alias Moat.{Client, Config, Finalizer, Protocol, Releaser, Shared}
 
   @u64 1 <<< 64
 
@@ -92,26 +88,25 @@ defmodule Moat.Worker do
     Process.flag(:trap_exit, true)
     name = Keyword.fetch!(opts, :name)
     generation = Client.last_generation(name) + 1
-    env = Application.get_all_env(:moat)
-    setting = &Keyword.get(opts, &1, Keyword.get(env, &1, &2))
-    chunk = setting.(:chunk_bytes, 64 * 1024 * 1024)
+    setting = &Config.get(opts, &1)
+    chunk = setting.(:chunk_bytes)
 
     args = [
       "--generation",
       "#{generation}",
       "--log-level",
-      worker_log_level(Keyword.get(opts, :log_level, env[:worker_log_level] || :warning)),
+      worker_log_level(Keyword.get_lazy(opts, :log_level, fn -> Config.get(:worker_log_level) end)),
       "--chunk-bytes",
       "#{chunk}",
       "--max-frame-bytes",
-      "#{setting.(:max_frame_bytes, 320 * 1024 * 1024)}",
+      "#{setting.(:max_frame_bytes)}",
       "--detect-non-finite",
-      "#{Keyword.get(setting.(:debug, []), :detect_non_finite, false) == true}",
+      "#{Keyword.get(setting.(:debug), :detect_non_finite, false) == true}",
       "--shared-memory",
-      "#{setting.(:shared_memory, true) != false}"
+      "#{setting.(:shared_memory) != false}"
     ]
 
-    path = Keyword.get(opts, :worker_path) || worker_path()
+    path = setting.(:worker_path) || worker_path()
 
     port =
       Port.open({:spawn_executable, path}, [
@@ -122,9 +117,9 @@ defmodule Moat.Worker do
         {:args, args}
       ])
 
-    with {:ok, info} <- await_hello(port, Keyword.get(opts, :hello_timeout, 15_000)) do
+    with {:ok, info} <- await_hello(port, setting.(:hello_timeout)) do
       warn_without_finalizer()
-      {:ok, releaser} = Releaser.start_link(gc_nudge: setting.(:gc_nudge, 1_000))
+      {:ok, releaser} = Releaser.start_link(gc_nudge: setting.(:gc_nudge))
 
       conn = %Client{
         name: name,
@@ -134,13 +129,14 @@ defmodule Moat.Worker do
         table: :ets.new(:moat_calls, [:set, :public, write_concurrency: true]),
         counters: Client.new_counters(),
         releaser: releaser,
-        window: setting.(:window, 1024),
+        window: setting.(:window),
         chunk_bytes: chunk,
         info: info,
-        shared: Shared.negotiate(info, setting.(:shared_memory_threshold, @shared_threshold))
+        shared: Shared.negotiate(info, setting.(:shared_memory_threshold))
       }
 
       Releaser.attach(releaser, conn)
+      set_memory_limit(conn, setting.(:memory_limit))
       Client.publish(conn)
 
       :telemetry.execute([:moat, :worker, :up], %{system_time: System.system_time()}, %{
@@ -150,6 +146,16 @@ defmodule Moat.Worker do
       })
 
       {:ok, %{conn: conn, waiters: [], down: nil}}
+    end
+  end
+
+  # Before the connection is published, so no request can precede it.
+  defp set_memory_limit(_conn, nil), do: :ok
+
+  defp set_memory_limit(conn, bytes) when is_integer(bytes) and bytes >= 0 do
+    case Client.owner_call(conn, :set_memory_limit, bytes) do
+      {:ok, _previous} -> :ok
+      {:error, error} -> raise error
     end
   end
 

@@ -32,7 +32,7 @@ defmodule Moat.MixProject do
       licenses: ["Apache-2.0"],
       links: %{"MLX" => "https://github.com/ml-explore/mlx", "Nx" => "https://github.com/elixir-nx/nx"},
       files: ~w(mix.exs mix/build.exs .formatter.exs Cargo.toml Cargo.lock port/Cargo.toml port/build.rs
-        port/mlx.pins port/src port/shim nif/moat_finalizer.c elixir protocol.md README.md LICENSE docs)
+        port/mlx.pins port/src port/shim port/tests nif/moat_finalizer.c elixir protocol.md README.md LICENSE docs)
     ]
   end
 
@@ -57,12 +57,12 @@ defmodule Moat.MixProject do
   # Nx, complex and telemetry come from Hex. Where hex.pm is out of reach,
   # put source checkouts in MOAT_DEPS_DIR (default ~/.cache/moat/deps):
   # nx/ (elixir-nx/nx at v0.13.1), complex/ and telemetry/ (v1.3.0). This
-  # holds for projects that depend on Moat too. MOAT_DEPS_DIR= (empty) uses
-  # Hex regardless, as `mix hex.build` needs.
+  # holds for projects that depend on Moat too. MOAT_DEPS_DIR=none uses Hex
+  # regardless, as `mix hex.build` needs.
   defp deps do
     dir = System.get_env("MOAT_DEPS_DIR") || Path.expand("~/.cache/moat/deps")
 
-    if dir != "" and File.dir?(Path.join(dir, "nx/nx")) do
+    if dir not in ["", "none"] and File.dir?(Path.join(dir, "nx/nx")) do
       [
         {:nx, path: Path.join(dir, "nx/nx"), override: true},
         {:complex, path: Path.join(dir, "complex"), override: true},

@@ -186,7 +186,7 @@ defmodule Moat.Build do
          [_, package] <- Regex.run(~r/^Name: (\S+)/m, text),
          [_, version] <- Regex.run(~r/^Version: (\S+)/m, text) do
       flavour = Enum.find_value(pins(), "unknown", &(&1.package == package && &1.flavour))
-      "MLX #{version}, flavour #{flavour} (#{package})"
+      "#{version}, flavour #{flavour} (#{package})"
     else
       _ -> "MLX of #{libmlx} (no wheel metadata beside it)"
     end

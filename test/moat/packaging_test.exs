@@ -60,6 +60,60 @@ defmodule Moat.PackagingTest do
     assert String.starts_with?(mlx, priv), out
   end
 
+  # Everything tracked is in the package except what only this checkout's
+  # development uses; the tagged test below compiles the package.
+  @not_packaged ~w(.ci/ .gitignore bench/ bin/ examples/ rustfmt.toml test/)
+
+  test "mix hex.build packs exactly what a project needs to build Moat", %{tmp: tmp} do
+    packaged = unpack_package(tmp)
+    {tracked, 0} = System.cmd("git", ~w(ls-files --cached --others --exclude-standard), cd: @root)
+    tracked = String.split(tracked, "\n", trim: true)
+
+    assert packaged -- tracked == ["hex_metadata.config"]
+    left_out = tracked -- packaged
+    assert Enum.reject(left_out, fn file -> Enum.any?(@not_packaged, &String.starts_with?(file, &1)) end) == []
+
+    metadata = File.read!(Path.join(tmp, "moat/hex_metadata.config"))
+    assert metadata =~ ~s({<<"name">>,<<"nx">>})
+    assert metadata =~ ~s(<<"Apache-2.0">>)
+  end
+
+  # Builds the worker from scratch in the unpacked package (minutes):
+  # mix test --only hex_tarball.
+  @tag :hex_tarball
+  test "the unpacked package compiles and computes in a fresh project", %{tmp: tmp} do
+    unpack_package(tmp)
+    app = Path.join(tmp, "consumer")
+    File.mkdir_p!(Path.join(app, "lib"))
+
+    File.write!(Path.join(app, "mix.exs"), """
+    defmodule Consumer.MixProject do
+      use Mix.Project
+      def project, do: [app: :consumer, version: "0.1.0", deps: [{:moat, path: #{inspect(Path.join(tmp, "moat"))}}]]
+    end
+    """)
+
+    reuse_compiled_deps(app)
+    mix!(app, ["deps.get"])
+    mix!(app, ["compile"])
+    out = mix!(app, ["run", "-e", "IO.puts(Nx.to_number(Nx.sum(Nx.tensor([1.5, 2.5], backend: Moat.Backend))))"])
+    assert out =~ "4.0"
+  end
+
+  defp unpack_package(tmp) do
+    dest = Path.join(tmp, "moat")
+    env = [{"MOAT_DEPS_DIR", "none"}, {"HEX_OFFLINE", "1"}, {"MIX_ENV", "dev"}]
+
+    {out, status} =
+      System.cmd("mix", ["hex.build", "--unpack", "-o", dest], cd: @root, env: env, stderr_to_stdout: true)
+
+    assert status == 0, out
+
+    for file <- Path.wildcard(Path.join(dest, "**"), match_dot: true),
+        File.regular?(file),
+        do: Path.relative_to(file, dest)
+  end
+
   defp write_project(app) do
     File.mkdir_p!(Path.join(app, "lib"))
     File.mkdir_p!(Path.join(app, "config"))

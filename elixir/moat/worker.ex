@@ -21,9 +21,15 @@ defmodule Moat.Worker do
 
   ## Options
 
+  Each option but `:name` and `:log_level` defaults to the `config :moat`
+  key of the same name (`Moat.Config`), read when the worker starts.
+
     * `:name` - registered name, also the key of the connection (default `Moat.Worker`)
-    * `:worker_path` - the `moat_port` executable (default: the one built into
-      this application's `priv/`, or `$MOAT_WORKER`)
+    * `:worker_path` - the `moat_port` executable (default: `$MOAT_WORKER`,
+      else the one built into this application's `priv/`, beside the
+      libraries it loads in `priv/lib`)
+    * `:memory_limit` - the worker's memory limit in bytes, set before any
+      request (default: MLX's, about 80% of RAM; see `Moat.set_memory_limit/2`)
     * `:log_level` - the worker's stderr log level (default from
       `config :moat, :worker_log_level`, `:warning`)
     * `:window` - frames sent but not yet acknowledged by the worker before a

@@ -167,7 +167,13 @@ defmodule Moat.Doctor do
     name = :"Moat.Doctor.Worker#{System.unique_integer([:positive])}"
     child = Supervisor.child_spec({Moat.Worker, name: name, worker_path: worker}, id: name)
 
-    case Supervisor.start_link([child], strategy: :one_for_one, max_restarts: 3, max_seconds: 5) do
+    # A worker that cannot start takes its supervisor down with it: trapped,
+    # that is a finding rather than the doctor's own exit.
+    trapping = Process.flag(:trap_exit, true)
+    started = Supervisor.start_link([child], strategy: :one_for_one, max_restarts: 3, max_seconds: 5)
+    Process.flag(:trap_exit, trapping)
+
+    case started do
       {:ok, sup} ->
         try do
           info = Moat.Worker.info(name)
@@ -185,6 +191,12 @@ defmodule Moat.Doctor do
         end
 
       {:error, reason} ->
+        receive do
+          {:EXIT, _, _} -> :ok
+        after
+          0 -> :ok
+        end
+
         [finding("Worker", :error, "did not start: #{inspect(reason)}", @setup)]
     end
   end

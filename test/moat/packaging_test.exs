@@ -48,7 +48,9 @@ defmodule Moat.PackagingTest do
     env = [{"MOAT_CACHE", empty}, {"MOAT_MLX_DIR", nil}, {"MOAT_WORKER", nil}, {"MIX_ENV", nil}]
 
     {out, status} =
-      System.cmd(Path.join(moved, "bin/moat_consumer"), ["eval", "MoatConsumer.run()"],
+      System.cmd(
+        Path.join(moved, "bin/moat_consumer"),
+        ["eval", "MoatConsumer.run(); Moat.Doctor.main(self_test: false)"],
         env: env,
         stderr_to_stdout: true
       )
@@ -58,6 +60,8 @@ defmodule Moat.PackagingTest do
     # The worker loaded MLX from inside the moved release.
     assert [_, mlx] = Regex.run(~r/libmlx from (\S+)/, out)
     assert String.starts_with?(mlx, priv), out
+    # And the doctor, run inside the release, finds MLX there.
+    assert out =~ ~r"OK +MLX +0\.32\.4, flavour cpu \(mlx-cpu\), loaded from #{Regex.escape(priv)}/lib/libmlx\.so"
   end
 
   # Everything tracked is in the package except what only this checkout's

@@ -1,4 +1,4 @@
 [
-  inputs: ["{mix,.formatter}.exs", "{elixir,test,bench,examples}/**/*.{ex,exs}"],
+  inputs: ["{mix,.formatter}.exs", "mix/*.exs", "{elixir,test,bench,examples}/**/*.{ex,exs}"],
   line_length: 120
 ]

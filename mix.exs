@@ -1,3 +1,7 @@
+# The worker's and the finalizer's compilers and `mix moat.setup` live there,
+# outside elixir/: they must run before Moat is compiled.
+Code.require_file("mix/build.exs", __DIR__)
+
 defmodule Moat.MixProject do
   use Mix.Project
 
@@ -14,7 +18,29 @@ defmodule Moat.MixProject do
       compilers: [:moat_port, :moat_finalizer | Mix.compilers()],
       deps: deps(),
       name: "Moat",
-      description: "An Nx backend on Apple's MLX, run in a supervised, crash-isolated worker process"
+      description: "An Nx backend on Apple's MLX, run in a supervised, crash-isolated worker process",
+      package: package(),
+      docs: docs()
+    ]
+  end
+
+  # Exactly what a project that depends on Moat needs to build it: the Rust
+  # worker (with the C++ shim and the MLX pins), the finalizer NIF's source,
+  # the Elixir sources and their build logic. Checked by test/moat/package_test.exs.
+  defp package do
+    [
+      licenses: ["Apache-2.0"],
+      links: %{"MLX" => "https://github.com/ml-explore/mlx", "Nx" => "https://github.com/elixir-nx/nx"},
+      files: ~w(mix.exs mix/build.exs .formatter.exs Cargo.toml Cargo.lock port/Cargo.toml port/build.rs
+        port/mlx.pins port/src port/shim port/tests nif/moat_finalizer.c elixir protocol.md README.md LICENSE docs)
+    ]
+  end
+
+  defp docs do
+    [
+      main: "readme",
+      extras: ["README.md", "protocol.md", "docs/reliability.md"],
+      groups_for_extras: [Guides: ["README.md"], Reference: ["protocol.md", "docs/reliability.md"]]
     ]
   end
 
@@ -24,129 +50,26 @@ defmodule Moat.MixProject do
   def application do
     [
       extra_applications: [:logger, :crypto],
-      # No `env:` defaults here: each setting's default is written once, in
-      # the module that reads it (Moat.Worker's @defaults, Moat.Backend's
-      # fallback policy); `config :moat, ...` overrides them.
       mod: {Moat.Application, []}
     ]
   end
 
   # Nx, complex and telemetry come from Hex. Where hex.pm is out of reach,
   # put source checkouts in MOAT_DEPS_DIR (default ~/.cache/moat/deps):
-  # nx/ (elixir-nx/nx at v0.13.1), complex/ and telemetry/ (v1.3.0).
+  # nx/ (elixir-nx/nx at v0.13.1), complex/ and telemetry/ (v1.3.0). This
+  # holds for projects that depend on Moat too. MOAT_DEPS_DIR=none uses Hex
+  # regardless, as `mix hex.build` needs.
   defp deps do
     dir = System.get_env("MOAT_DEPS_DIR") || Path.expand("~/.cache/moat/deps")
 
-    if File.dir?(Path.join(dir, "nx/nx")) do
+    if dir not in ["", "none"] and File.dir?(Path.join(dir, "nx/nx")) do
       [
         {:nx, path: Path.join(dir, "nx/nx"), override: true},
         {:complex, path: Path.join(dir, "complex"), override: true},
         {:telemetry, path: Path.join(dir, "telemetry"), override: true}
       ]
     else
-      [{:nx, "~> 0.13"}, {:telemetry, "~> 1.0"}]
+      [{:nx, "~> 0.13"}, {:telemetry, "~> 1.0"}, {:ex_doc, "~> 0.34", only: :dev, runtime: false}]
     end
   end
-end
-
-defmodule Mix.Tasks.Compile.MoatPort do
-  @shortdoc "Builds the moat_port worker with cargo and puts it in priv/"
-  @moduledoc false
-  use Mix.Task.Compiler
-
-  # Cargo's warnings are shown (cargo replays them while the build is fresh),
-  # and fail the build under `mix compile --warnings-as-errors`.
-  @impl true
-  def run(args) do
-    {opts, _, _} = OptionParser.parse(args, switches: [warnings_as_errors: :boolean])
-    root = Path.dirname(__ENV__.file)
-    built = Path.join(root, "target/release/moat_port")
-    dest = Path.join(Mix.Project.app_path(), "priv/moat_port")
-
-    case System.cmd("cargo", ["build", "--release", "-p", "moat_port"], cd: root, stderr_to_stdout: true) do
-      {output, 0} ->
-        File.mkdir_p!(Path.dirname(dest))
-
-        unless File.exists?(dest) and File.read!(dest) == File.read!(built) do
-          File.cp!(built, dest)
-        end
-
-        warnings(output, root, opts[:warnings_as_errors])
-
-      {output, status} ->
-        Mix.shell().error("cargo build of moat_port failed (exit #{status}):\n" <> output)
-        {:error, []}
-    end
-  end
-
-  defp warnings(output, root, as_errors?) do
-    diagnostics =
-      for "warning" <> _ = line <- String.split(output, "\n") do
-        %Mix.Task.Compiler.Diagnostic{
-          compiler_name: "moat_port",
-          file: Path.join(root, "port"),
-          message: line,
-          position: 0,
-          severity: :warning
-        }
-      end
-
-    cond do
-      diagnostics == [] ->
-        {:ok, []}
-
-      as_errors? ->
-        Mix.shell().error("cargo build of moat_port has warnings (--warnings-as-errors):\n" <> output)
-        {:error, diagnostics}
-
-      true ->
-        Mix.shell().info(output)
-        {:ok, diagnostics}
-    end
-  end
-end
-
-defmodule Mix.Tasks.Compile.MoatFinalizer do
-  @shortdoc "Builds the tensor finalizer NIF (nif/moat_finalizer.c, no MLX) into priv/"
-  @moduledoc false
-  use Mix.Task.Compiler
-
-  # Without a C compiler the build goes on: Moat then runs without automatic
-  # release (see Moat's moduledoc).
-  @impl true
-  def run(_args) do
-    root = Path.dirname(__ENV__.file)
-    source = Path.join(root, "nif/moat_finalizer.c")
-    dest = Path.join(Mix.Project.app_path(), "priv/moat_finalizer.so")
-
-    if File.exists?(dest) and mtime(dest) >= mtime(source) do
-      {:noop, []}
-    else
-      build(source, dest)
-    end
-  end
-
-  defp build(source, dest) do
-    cc = System.get_env("CC") || System.find_executable("cc") || System.find_executable("gcc")
-    include = Path.join([to_string(:code.root_dir()), "erts-#{:erlang.system_info(:version)}", "include"])
-    File.mkdir_p!(Path.dirname(dest))
-    args = ["-O2", "-fPIC", "-shared", "-std=c11", "-Wall", "-Wextra", "-I", include, "-o", dest, source]
-
-    case cc && System.cmd(cc, args, stderr_to_stdout: true) do
-      {_, 0} ->
-        {:ok, []}
-
-      failure ->
-        why = if failure, do: elem(failure, 0), else: "no C compiler found (set CC)"
-
-        Mix.shell().info(
-          "moat: the finalizer NIF was not built; tensors are released only " <>
-            "explicitly, by Moat.scope/1 or by a worker restart:\n" <> why
-        )
-
-        {:ok, []}
-    end
-  end
-
-  defp mtime(path), do: File.stat!(path, time: :posix).mtime
 end

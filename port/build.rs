@@ -1,29 +1,50 @@
 //! Compiles the C++ shim against MLX and links the worker to libmlx.
 //!
-//! MLX is found, in order, at: $MOAT_MLX_DIR; the cache that bin/setup
-//! fills ($MOAT_CACHE or ~/.cache/moat, then mlx-cpu-0.32.4/mlx); a
-//! pip-installed `mlx` package. The folder must hold include/ and lib/libmlx.so.
+//! MLX is found, in order, at: $MOAT_MLX_DIR; the cache that `mix
+//! moat.setup` (and bin/setup) fills, $MOAT_CACHE (default ~/.cache/moat)
+//! then `<package>-<version>/mlx` of the flavour $MOAT_MLX (default `cpu`) in
+//! mlx.pins; a pip-installed `mlx` package. The folder must hold include/ and
+//! lib/libmlx.so.
+//!
+//! The worker finds its shared libraries (MLX's, and OpenBLAS where it is
+//! linked) only in `lib/` next to itself, through an `$ORIGIN` rpath: this
+//! script links them into `lib/` beside what cargo builds, and the Mix
+//! compiler links the same set into the application's priv/lib, which a
+//! `mix release` copies. Nothing names the cache, so a release runs wherever
+//! it is copied.
 
 use std::env;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-const MLX_VERSION: &str = "0.32.4";
+/// One line of mlx.pins: a flavour and the wheel that provides it.
+struct Pin {
+    flavour: String,
+    package: String,
+    version: String,
+}
 
 fn main() {
-    for var in ["MOAT_MLX_DIR", "MOAT_CACHE", "HOME", "MOAT_BLAS"] {
+    for var in ["MOAT_MLX_DIR", "MOAT_MLX", "MOAT_CACHE", "HOME", "MOAT_BLAS"] {
         println!("cargo:rerun-if-env-changed={var}");
     }
     println!("cargo:rerun-if-changed=shim");
+    println!("cargo:rerun-if-changed=mlx.pins");
     println!("cargo:rustc-check-cfg=cfg(moat_openblas)");
 
-    let mlx = find_mlx().unwrap_or_else(|| {
-        panic!(
-            "\n\nMLX {MLX_VERSION} not found. Install it with `bin/setup` (it unpacks the PyPI \
-             wheel mlx-cpu=={MLX_VERSION} into ~/.cache/moat), or `pip install mlx-cpu=={MLX_VERSION}`, \
-             or point MOAT_MLX_DIR at a folder holding include/mlx and lib/libmlx.so.\n\n"
-        )
-    });
+    let pin = pin();
+    let Some(mlx) = find_mlx(&pin) else {
+        // The Mix compiler shows this paragraph, from "moat: MLX", on its own.
+        eprintln!(
+            "moat: MLX {version} ({package}) not found. Install it with\n\n    mix moat.setup --mlx {flavour}\n\n\
+             (from this checkout or any Mix project that depends on Moat), or point MOAT_MLX_DIR at \
+             a folder holding include/mlx and lib/libmlx.so.\n",
+            version = pin.version,
+            package = pin.package,
+            flavour = pin.flavour
+        );
+        std::process::exit(1);
+    };
     let include = mlx.join("include");
     let lib = mlx.join("lib");
 
@@ -44,20 +65,67 @@ fn main() {
     }
     build.compile("moat_shim");
 
-    link_blas();
+    let mut libs = mlx_libs(&mlx);
+    libs.extend(link_blas());
+    link_libs(&libs);
     println!("cargo:rustc-link-search=native={}", lib.display());
     println!("cargo:rustc-link-lib=dylib=mlx");
-    println!("cargo:rustc-link-arg=-Wl,-rpath,{}", lib.display());
-    println!("cargo:rustc-env=MOAT_MLX_LIB_DIR={}", lib.display());
+    // DT_RPATH, not DT_RUNPATH: it also applies to the libraries' own
+    // dependencies (libmlx's vendored LAPACK, OpenBLAS's libgfortran), so one
+    // lib/ serves them all. `$ORIGIN/../lib` is for the test executables in
+    // deps/.
+    println!("cargo:rustc-link-arg=-Wl,--disable-new-dtags");
+    println!("cargo:rustc-link-arg=-Wl,-rpath,$ORIGIN/lib:$ORIGIN/../lib");
+}
+
+/// libmlx and what the wheel vendors beside it (`<package>.libs/`), as
+/// (file name, path).
+fn mlx_libs(mlx: &Path) -> Vec<(String, PathBuf)> {
+    let parent = mlx.parent().expect("MLX folder has a parent");
+    let mut dirs = vec![mlx.join("lib")];
+    for entry in std::fs::read_dir(parent).into_iter().flatten().flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if name.starts_with("mlx") && name.ends_with(".libs") {
+            dirs.push(entry.path());
+        }
+    }
+    let mut libs = Vec::new();
+    for dir in dirs {
+        for entry in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if name.contains(".so") {
+                libs.push((name, entry.path()));
+            }
+        }
+    }
+    libs
+}
+
+/// Replaces `lib/` of the profile folder (the worker's folder) with links to
+/// `libs`.
+fn link_libs(libs: &[(String, PathBuf)]) {
+    let out = PathBuf::from(env::var_os("OUT_DIR").expect("OUT_DIR"));
+    // OUT_DIR is <profile>/build/moat_port-<hash>/out.
+    let dir = out.ancestors().nth(3).expect("profile folder").join("lib");
+    // Removes the old links, never what they point to.
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("create lib/");
+    for (name, path) in libs {
+        let target = path
+            .canonicalize()
+            .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        std::os::unix::fs::symlink(&target, dir.join(name)).expect("link into lib/");
+    }
 }
 
 /// The wheel's bundled reference BLAS runs f32 matmul ~30x slower than
 /// OpenBLAS. Linking libopenblas as a direct dependency of the executable puts
 /// it ahead of libmlx's own dependencies in the symbol lookup order, so
 /// libmlx's cblas_*/LAPACK calls bind to OpenBLAS. MOAT_BLAS=bundled opts out.
-fn link_blas() {
+/// Returns OpenBLAS and the libraries it needs beyond glibc and GCC's runtime.
+fn link_blas() -> Vec<(String, PathBuf)> {
     if env::var("MOAT_BLAS").as_deref() == Ok("bundled") {
-        return;
+        return Vec::new();
     }
     let candidates = [
         "/usr/lib/x86_64-linux-gnu/libopenblas.so.0",
@@ -68,21 +136,78 @@ fn link_blas() {
             println!("cargo:rustc-link-arg=-Wl,--no-as-needed");
             println!("cargo:rustc-link-arg={path}");
             println!("cargo:rustc-cfg=moat_openblas");
+            let mut libs = vec![("libopenblas.so.0".to_string(), PathBuf::from(path))];
+            libs.extend(needed(Path::new(path)));
+            libs
         }
-        None => println!(
-            "cargo:warning=libopenblas.so.0 not found (apt-get install libopenblas0-pthread): \
-             the worker uses MLX's bundled reference BLAS, which is ~30x slower at matmul"
-        ),
+        None => {
+            println!(
+                "cargo:warning=libopenblas.so.0 not found (apt-get install libopenblas0-pthread): \
+                 the worker uses MLX's bundled reference BLAS, which is ~30x slower at matmul"
+            );
+            Vec::new()
+        }
     }
 }
 
-fn find_mlx() -> Option<PathBuf> {
+/// What `lib` loads, by ldd, less what every glibc system has (glibc itself,
+/// libstdc++ and libgcc_s, which the worker needs anyway: see README,
+/// "Releases").
+fn needed(lib: &Path) -> Vec<(String, PathBuf)> {
+    const SYSTEM: [&str; 10] = [
+        "libc",
+        "libm",
+        "libdl",
+        "libpthread",
+        "librt",
+        "libresolv",
+        "libutil",
+        "libmvec",
+        "libstdc++",
+        "libgcc_s",
+    ];
+    let Ok(out) = Command::new("ldd").arg(lib).output() else {
+        return Vec::new();
+    };
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|line| {
+            let (name, rest) = line.trim().split_once(" => ")?;
+            let path = rest.split(" (").next()?;
+            let base = name.split(".so").next()?;
+            (path.starts_with('/') && !SYSTEM.contains(&base) && !base.starts_with("ld-linux"))
+                .then(|| (name.to_string(), PathBuf::from(path)))
+        })
+        .collect()
+}
+
+/// The line of mlx.pins for $MOAT_MLX (default `cpu`).
+fn pin() -> Pin {
+    let flavour = env::var("MOAT_MLX").unwrap_or_else(|_| "cpu".into());
+    let pins = std::fs::read_to_string("mlx.pins").expect("port/mlx.pins");
+    let mut known = Vec::new();
+    for line in pins.lines().filter(|l| !l.trim_start().starts_with('#')) {
+        if let [f, package, version, ..] = line.split_whitespace().collect::<Vec<_>>()[..] {
+            if f == flavour {
+                return Pin {
+                    flavour: f.into(),
+                    package: package.into(),
+                    version: version.into(),
+                };
+            }
+            known.push(f);
+        }
+    }
+    panic!("MOAT_MLX={flavour}: not a flavour of port/mlx.pins (expected one of {known:?})")
+}
+
+fn find_mlx(pin: &Pin) -> Option<PathBuf> {
     let cache = env::var_os("MOAT_CACHE")
         .map(PathBuf::from)
         .or_else(|| env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/moat")));
     let candidates = [
         env::var_os("MOAT_MLX_DIR").map(PathBuf::from),
-        cache.map(|c| c.join(format!("mlx-cpu-{MLX_VERSION}/mlx"))),
+        cache.map(|c| c.join(format!("{}-{}/mlx", pin.package, pin.version))),
         pip_mlx(),
     ];
     candidates

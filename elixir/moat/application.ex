@@ -4,17 +4,14 @@ defmodule Moat.Application do
 
   @impl true
   def start(_type, _args) do
-    env = Application.get_all_env(:moat)
     Moat.Compiler.Cache.init()
-
-    children =
-      if Keyword.get(env, :start_worker, true), do: [{Moat.Worker, name: Moat.Worker}], else: []
+    children = if Moat.Config.get(:start_worker), do: [{Moat.Worker, name: Moat.Worker}], else: []
 
     Supervisor.start_link(children,
       strategy: :one_for_one,
       name: Moat.Supervisor,
-      max_restarts: Keyword.get(env, :max_restarts, 20),
-      max_seconds: Keyword.get(env, :max_seconds, 5)
+      max_restarts: Moat.Config.get(:max_restarts),
+      max_seconds: Moat.Config.get(:max_seconds)
     )
   end
 end

@@ -43,7 +43,7 @@ defmodule Moat.Backend do
 
   ## Options
 
-    * `:device` - `:cpu` (the default, and the only device on Linux CPU builds)
+    * `:device` - `:cpu` (the default, or `config :moat, device:`, and the only device on Linux CPU builds)
     * `:worker` - the `Moat.Worker` to use (default `Moat.Worker`)
 
   `inspect/2` shows the backend and device on a first line, like Torchx;
@@ -262,7 +262,7 @@ defmodule Moat.Backend do
 
   @impl true
   def init(opts) do
-    opts = Keyword.validate!(opts, device: :cpu, worker: Moat.Worker)
+    opts = Keyword.validate!(opts, device: Moat.Config.get(:device), worker: Moat.Worker)
 
     unless opts[:device] in [:cpu, :gpu] do
       raise ArgumentError, "Moat.Backend: unknown device #{inspect(opts[:device])}, expected :cpu or :gpu"
@@ -351,7 +351,7 @@ defmodule Moat.Backend do
     doc = Nx.Backend.inspect(%{tensor | type: type}, binary, inspect_opts)
 
     # `config :moat, inspect_backend: false` leaves the signature out.
-    if Application.get_env(:moat, :inspect_backend, true) do
+    if Moat.Config.get(:inspect_backend) do
       Inspect.Algebra.concat(["Moat.Backend(#{device})", Inspect.Algebra.line(), doc])
     else
       doc
@@ -830,7 +830,7 @@ defmodule Moat.Backend do
     meta = %{op: op, input_shapes: Enum.map(tensors, & &1.shape), input_types: Enum.map(tensors, & &1.type)}
     meta = if op == :block, do: Map.put(meta, :block, hd(args).__struct__), else: meta
 
-    policy = Application.get_env(:moat, :fallback, :silent)
+    policy = Moat.Config.get(:fallback)
     fallback_policy(policy, op)
 
     :telemetry.span([:moat, :fallback], meta, fn ->
@@ -891,7 +891,7 @@ defmodule Moat.Backend do
 
   # The device must be one the worker announced in its handshake.
   defp device!(worker, opts) do
-    device = Keyword.get(opts, :device, :cpu)
+    device = Keyword.get_lazy(opts, :device, fn -> Moat.Config.get(:device) end)
     devices = Client.conn(worker).info.devices
 
     if device not in devices do

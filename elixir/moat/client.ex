@@ -581,6 +581,43 @@ defmodule Moat.Client do
     end
   end
 
+  @doc """
+  A call by the connection's owner before it publishes the connection (its
+  own routing of replies cannot run while it waits): reads the reply off the
+  port itself.
+  """
+  @spec owner_call(t(), atom(), term(), timeout()) :: {:ok, term()} | {:error, Error.t()}
+  def owner_call(%__MODULE__{port: port} = conn, op, attrs, timeout \\ 15_000) do
+    seq = :atomics.add_get(conn.counters, @seq, 1)
+    command(conn, op, Protocol.request(seq, conn.generation, op, [], [], attrs))
+    owner_await(conn, port, op, seq, timeout)
+  end
+
+  defp owner_await(conn, port, op, seq, timeout) do
+    receive do
+      {^port, {:data, frame}} ->
+        case Protocol.decode(frame) do
+          {:ok, {:ok, ^seq, result}, _} ->
+            {:ok, result}
+
+          {:ok, {:error, ^seq, failed_op, failure}, _} ->
+            {:error, Error.from_worker(failed_op, failure)}
+
+          {:ok, {:ack, n}, _} ->
+            record_ack(conn, n)
+            owner_await(conn, port, op, seq, timeout)
+
+          _ ->
+            owner_await(conn, port, op, seq, timeout)
+        end
+
+      {^port, {:exit_status, status}} ->
+        {:error, Error.new(:worker_died, op, Moat.Worker.describe_exit(status))}
+    after
+      timeout -> {:error, Error.new(:timeout, op, "no reply from the worker within #{timeout} ms")}
+    end
+  end
+
   defp request(conn, op, outs, ins, attrs, timeout) do
     seq = :atomics.add_get(conn.counters, @seq, 1)
     mref = :erlang.monitor(:process, conn.owner, alias: :demonitor)

@@ -21,9 +21,15 @@ defmodule Moat.Worker do
 
   ## Options
 
+  Each option but `:name` and `:log_level` defaults to the `config :moat`
+  key of the same name (`Moat.Config`), read when the worker starts.
+
     * `:name` - registered name, also the key of the connection (default `Moat.Worker`)
-    * `:worker_path` - the `moat_port` executable (default: the one built into
-      this application's `priv/`, or `$MOAT_WORKER`)
+    * `:worker_path` - the `moat_port` executable (default: `$MOAT_WORKER`,
+      else the one built into this application's `priv/`, beside the
+      libraries it loads in `priv/lib`)
+    * `:memory_limit` - the worker's memory limit in bytes, set before any
+      request (default: MLX's, about 80% of RAM; see `Moat.set_memory_limit/2`)
     * `:log_level` - the worker's stderr log level (default from
       `config :moat, :worker_log_level`, `:warning`)
     * `:window` - frames sent but not yet acknowledged by the worker before a
@@ -56,27 +62,11 @@ defmodule Moat.Worker do
       turns it off). See `Moat`, "Memory".
   """
 
-  # Every setting's default, in one place: an option of `start_link/1` wins,
-  # then `config :moat, ...` (`:worker_log_level` for `:log_level`), then this.
-  @defaults [
-    log_level: :warning,
-    window: 1024,
-    chunk_bytes: 64 * 1024 * 1024,
-    max_frame_bytes: 320 * 1024 * 1024,
-    debug: [],
-    shared_memory: true,
-    # Below this, the pipe's single frame is faster than shared memory's extra
-    # file operations (bench/foundation.exs).
-    shared_memory_threshold: 1024 * 1024,
-    hello_timeout: 15_000,
-    gc_nudge: 1_000
-  ]
-
   use GenServer
   require Logger
   import Bitwise, only: [<<<: 2]
 
-  alias Moat.{Client, Finalizer, Protocol, Releaser, Shared}
+  alias Moat.{Client, Config, Finalizer, Protocol, Releaser, Shared}
 
   @u64 1 <<< 64
 
@@ -120,16 +110,14 @@ defmodule Moat.Worker do
     Process.flag(:trap_exit, true)
     name = Keyword.fetch!(opts, :name)
     generation = Client.last_generation(name) + 1
-    env = Application.get_all_env(:moat)
-    env = if level = env[:worker_log_level], do: Keyword.put(env, :log_level, level), else: env
-    setting = &setting(opts, env, &1)
+    setting = &Config.get(opts, &1)
     chunk = setting.(:chunk_bytes)
 
     args = [
       "--generation",
       "#{generation}",
       "--log-level",
-      worker_log_level(setting.(:log_level)),
+      worker_log_level(Keyword.get_lazy(opts, :log_level, fn -> Config.get(:worker_log_level) end)),
       "--chunk-bytes",
       "#{chunk}",
       "--max-frame-bytes",
@@ -140,7 +128,7 @@ defmodule Moat.Worker do
       "#{setting.(:shared_memory) != false}"
     ]
 
-    path = Keyword.get(opts, :worker_path) || worker_path()
+    path = setting.(:worker_path) || worker_path()
 
     port =
       Port.open({:spawn_executable, path}, [
@@ -172,6 +160,7 @@ defmodule Moat.Worker do
       }
 
       Releaser.attach(releaser, &Client.cast(conn, :release, [], &1, nil))
+      set_memory_limit(conn, setting.(:memory_limit))
       Client.publish(conn)
 
       :telemetry.execute([:moat, :worker, :up], %{system_time: System.system_time()}, %{
@@ -181,6 +170,16 @@ defmodule Moat.Worker do
       })
 
       {:ok, %{conn: conn, waiters: [], down: nil}}
+    end
+  end
+
+  # Before the connection is published, so no request can precede it.
+  defp set_memory_limit(_conn, nil), do: :ok
+
+  defp set_memory_limit(conn, bytes) when is_integer(bytes) and bytes >= 0 do
+    case Client.owner_call(conn, :set_memory_limit, bytes) do
+      {:ok, _previous} -> :ok
+      {:error, error} -> raise error
     end
   end
 
@@ -358,13 +357,6 @@ defmodule Moat.Worker do
     end
 
     state
-  end
-
-  defp setting(opts, env, key) do
-    case Keyword.fetch(opts, key) do
-      {:ok, value} -> value
-      :error -> Keyword.get_lazy(env, key, fn -> Keyword.fetch!(@defaults, key) end)
-    end
   end
 
   @doc false

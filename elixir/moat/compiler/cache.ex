@@ -36,7 +36,7 @@ defmodule Moat.Compiler.Cache do
   def count(:replay), do: :counters.add(counters(), @replays, 1)
   def count(:fallback), do: :counters.add(counters(), @fallbacks, 1)
 
-  def max_programs, do: Application.get_env(:moat, :max_programs, 256)
+  def max_programs, do: Moat.Config.get(:max_programs)
 
   @doc """
   The lowered function under `key`, made by `build` on a miss (which

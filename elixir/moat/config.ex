@@ -1,0 +1,81 @@
+defmodule Moat.Config do
+  @moduledoc """
+  Every `config :moat, ...` key, its default and when it is read: the one
+  place defaults live. README's configuration table is `table/0` (a test
+  checks it).
+
+  Keys read when a worker starts apply to each new worker (a restart
+  included), so `config/runtime.exs` sets them for a release at boot;
+  `Moat.Worker`'s options of the same name override them per worker. Keys
+  read on use can be changed at any time with `Application.put_env/3`.
+  """
+
+  @mib 1024 * 1024
+
+  # {key, default, when read, what it is}
+  @keys [
+    {:start_worker, true, :boot, "start `Moat.Worker` under `Moat.Supervisor`"},
+    {:max_restarts, 20, :boot, "restart intensity of `Moat.Supervisor`: at most this many restarts…"},
+    {:max_seconds, 5, :boot, "…within this many seconds, then it gives up"},
+    {:worker_path, nil, :worker,
+     "the `moat_port` executable (`nil`: `$MOAT_WORKER`, else `priv/moat_port` of `:moat`)"},
+    {:worker_log_level, :warning, :worker, "the worker's stderr log level (`Moat.Worker`'s `:log_level`)"},
+    {:memory_limit, nil, :worker,
+     "the worker's memory limit in bytes (`nil`: MLX's, about 80% of RAM; `Moat.set_memory_limit/2` changes it live)"},
+    {:window, 1024, :worker, "fire-and-forget frames sent but not yet acknowledged before a sender waits"},
+    {:chunk_bytes, 64 * @mib, :worker, "chunk size of large tensors on the pipe"},
+    {:max_frame_bytes, 320 * @mib, :worker, "the largest frame either side accepts"},
+    {:shared_memory, true, :worker, "move large tensors through shared memory where the worker is on this host"},
+    {:shared_memory_threshold, @mib, :worker, "the smallest tensor (bytes) that goes through shared memory"},
+    {:hello_timeout, 15_000, :worker, "milliseconds to wait for the worker's handshake"},
+    {:gc_nudge, 1_000, :worker, "milliseconds between collections of idle tensor creators (`false`: off)"},
+    {:debug, [], :worker, "`[detect_non_finite: true]` fails every op whose float results hold NaN or Inf"},
+    {:device, :cpu, :use, "the device of `Moat.Backend` when its options name none"},
+    {:fallback, :silent, :use, "ops that run on `Nx.BinaryBackend`: `:silent`, `:warn` or `:raise`"},
+    {:inspect_backend, true, :use, "`inspect/2` of a tensor shows `Moat.Backend(device)` on its first line"},
+    {:max_programs, 256, :use, "programs `Moat.Compiler` keeps per worker, and jitted functions it keeps lowered"},
+    {:mlx, :cpu, :compile,
+     "the MLX build the worker links (`:cpu`, `:cuda13`; `$MOAT_MLX` overrides; `mix moat.setup` installs it)"}
+  ]
+
+  @defaults for {key, default, _, _} <- @keys, do: {key, default}
+  @read %{
+    boot: "application start",
+    worker: "worker start",
+    use: "on use (live)",
+    compile: "compile time"
+  }
+
+  @doc "Every key with its default."
+  @spec defaults() :: keyword()
+  def defaults, do: @defaults
+
+  @doc "The configured value of `key`, or its default."
+  @spec get(atom()) :: term()
+  def get(key) do
+    case List.keyfind(@defaults, key, 0) do
+      {^key, default} -> Application.get_env(:moat, key, default)
+      nil -> raise ArgumentError, "Moat.Config: unknown key #{inspect(key)}"
+    end
+  end
+
+  @doc "`key` from `opts` (a worker's options), else `get/1`."
+  @spec get(keyword(), atom()) :: term()
+  def get(opts, key), do: Keyword.get_lazy(opts, key, fn -> get(key) end)
+
+  @doc "The configuration table of README (Markdown)."
+  @spec table() :: String.t()
+  def table do
+    rows =
+      for {key, default, read, what} <- @keys do
+        "| `#{key}` | #{show(default)} | #{@read[read]} | #{what} |"
+      end
+
+    Enum.join(["| key | default | read | meaning |", "| --- | --- | --- | --- |" | rows], "\n") <> "\n"
+  end
+
+  defp show(bytes) when is_integer(bytes) and bytes >= @mib and rem(bytes, @mib) == 0,
+    do: "`#{bytes}` (#{div(bytes, @mib)} MiB)"
+
+  defp show(value), do: "`#{inspect(value)}`"
+end

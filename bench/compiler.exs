@@ -161,8 +161,11 @@ Bench.row([
 
 x4 = Nx.backend_copy(Nx.tensor([1.0, 2.0, 3.0, 4.0]), Moat.Backend)
 jit_loop = jit.(&M.counter/1)
+fused_loop = Nx.Defn.jit(&M.counter/1, compiler: Moat.Compiler, fuse: true)
+read.(fused_loop.(x4))
 eval_loop = eval.(&M.counter/1)
 loop_jit = med.(20, fn -> read.(jit_loop.(x4)) end)
+loop_fused = med.(20, fn -> read.(fused_loop.(x4)) end)
 loop_eval = med.(5, fn -> read.(eval_loop.(x4)) end)
 
 n = 100
@@ -171,25 +174,31 @@ diff = Nx.subtract(Nx.new_axis(points, 1), Nx.new_axis(points, 0))
 d = Nx.sqrt(Nx.sum(Nx.multiply(diff, diff), axes: [2]))
 x0 = binary.({n, 2}, 8)
 jit_mds = jit.(&M.smacof/2)
+fused_mds = Nx.Defn.jit(&M.smacof/2, compiler: Moat.Compiler, fuse: true)
+{d_moat, x0_moat} = {to_moat.(d), to_moat.(x0)}
+read.(fused_mds.(d_moat, x0_moat))
 mds_jit = med.(5, fn -> read.(jit_mds.(to_moat.(d), to_moat.(x0))) end)
+mds_fused = med.(5, fn -> read.(fused_mds.(d_moat, x0_moat)) end)
 mds_binary = Nx.with_default_backend(Nx.BinaryBackend, fn -> med.(1, fn -> read.(eval.(&M.smacof/2).(d, x0)) end) end)
 
 IO.puts("\nLoops (ms):\n")
-Bench.row(["", "Moat.Compiler (jit)", "the other", "speed-up"])
-Bench.row(["---", "---:", "---:", "---:"])
+Bench.row(["", "Moat.Compiler (jit)", "jit, fuse: true", "the other", "speed-up (unfused, fused)"])
+Bench.row(["---", "---:", "---:", "---:", "---:"])
 
 Bench.row([
   "while, 1000 iterations of a small body, vs Nx.Defn.Evaluator on Moat",
   Bench.fmt(loop_jit / 1000),
+  Bench.fmt(loop_fused / 1000),
   Bench.fmt(loop_eval / 1000),
-  Bench.ratio(loop_eval, loop_jit)
+  Bench.ratio(loop_eval, loop_jit) <> ", " <> Bench.ratio(loop_eval, loop_fused)
 ])
 
 Bench.row([
   "SMACOF MDS, 100 points, 300 iterations, vs Nx.Defn.Evaluator on Nx.BinaryBackend",
   Bench.fmt(mds_jit / 1000),
+  Bench.fmt(mds_fused / 1000),
   Bench.fmt(mds_binary / 1000),
-  Bench.ratio(mds_binary, mds_jit)
+  Bench.ratio(mds_binary, mds_jit) <> ", " <> Bench.ratio(mds_binary, mds_fused)
 ])
 
 # First calls. Lowering plus the worker's build of a structure it has not

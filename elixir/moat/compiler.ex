@@ -57,10 +57,10 @@ defmodule Moat.Compiler do
       inputs on other workers or backends are copied there
     * `:device` - `:cpu` (default)
     * `:on_unsupported` - `:evaluate` (default) or `:raise`, see above
-    * `:fuse` - `true` runs programs made only of element-wise, shape,
-      reduction and dot ops through `mlx::core::compile`, which fuses
-      element-wise chains into single kernels (default `false`; see
-      "Fusion")
+    * `:fuse` - `true` runs programs (or `while` iterations) made only of
+      element-wise, shape, reduction and dot ops through
+      `mlx::core::compile`, which fuses element-wise chains into single
+      kernels (default `false`; see "Fusion")
     * `:max_concurrency` - partitions for `Nx.Serving` (default 1)
     * `:hooks` - hooks, for graphs that fall back to the evaluator
 
@@ -70,9 +70,11 @@ defmodule Moat.Compiler do
   running `g++` (several seconds per new kernel on a small machine; then
   kept in the worker's kernel cache, `Moat.Worker`'s `:kernel_cache`, for
   later runs and processes). Without `g++` programs run unfused, with a
-  warning in the worker's log. A program with control flow, or with an op
-  that evaluates while it is built (indexing, integer division: their
-  checks read values), runs unfused. Fused results may differ from the
+  warning in the worker's log. A straight-line program is compiled whole; in
+  one with control flow, each `while` loop whose condition and body are
+  straight-line compiles its iteration (body, then the next condition). Ops
+  that evaluate while they are built (indexing, integer division: their
+  checks read values) keep their part unfused, as do `cond` branches. Fused results may differ from the
   evaluator's in the last bits of float math; unfused ones are equal bit for
   bit. Off by default: in `bin/bench`, a 102-op element-wise chain ran about
   3× faster fused, the MLP about as fast, and the first call of a new kernel

@@ -20,7 +20,9 @@ pub struct moat_compiled {
     _private: [u8; 0],
 }
 
-pub type MoatTraceFn = extern "C" fn(
+/// `moat_trace_fn` of moat_shim.h: the callback `moat_compile` traces.
+#[allow(non_camel_case_types)]
+pub type moat_trace_fn = extern "C" fn(
     ctx: *mut c_void,
     ins: *const *mut moat_array,
     n_ins: usize,
@@ -72,7 +74,7 @@ extern "C" {
     pub fn moat_async_eval(arrays: *const *mut moat_array, n: usize) -> c_int;
 
     pub fn moat_compile(
-        trace: MoatTraceFn,
+        trace: moat_trace_fn,
         ctx: *mut c_void,
         id: usize,
         outputs: usize,

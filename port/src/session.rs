@@ -37,6 +37,9 @@ pub const REQUESTS: &[&str] = &[
     "clear_cache",
     "set_memory_limit",
     "set_cache_limit",
+    "define_program",
+    "run_program",
+    "release_program",
     #[cfg(feature = "fault-injection")]
     "fault",
 ];

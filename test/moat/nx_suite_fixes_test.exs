@@ -66,6 +66,24 @@ defmodule Moat.NxSuiteFixesTest do
     refute host(Nx.any(Nx.is_nan(sample))) == Nx.tensor(1, type: :u8)
   end
 
+  test "grouped convolutions in three spatial dimensions (depthwise, batch groups)" do
+    x = Nx.iota({2, 4, 3, 4, 3}, type: :f32) |> Nx.divide(10)
+    depthwise = Nx.iota({4, 1, 2, 2, 2}, type: :f32) |> Nx.subtract(3)
+    batch_grouped = Nx.iota({4, 4, 2, 1, 2}, type: :f32) |> Nx.divide(7)
+
+    for {kernel, opts} <- [
+          {depthwise, [feature_group_size: 4, padding: :same]},
+          {Nx.iota({4, 2, 1, 2, 2}, type: :f32), [feature_group_size: 2, strides: [1, 2, 1]]},
+          {batch_grouped, [batch_group_size: 2, kernel_dilation: [2, 1, 1]]}
+        ],
+        type <- [:f32, :f64] do
+      {x, kernel} = {Nx.as_type(x, type), Nx.as_type(kernel, type)}
+      expected = Nx.conv(x, kernel, opts)
+      actual = host(Nx.conv(moat(x), moat(kernel), opts))
+      assert Nx.all_close(actual, expected, rtol: 1.0e-5) == Nx.tensor(1, type: :u8), inspect(opts)
+    end
+  end
+
   test "to_batched is a stream whose batches are made as it is consumed" do
     t = Nx.iota({5, 2})
 

@@ -113,7 +113,9 @@ defmodule Moat.Fast do
   `2i` with `2i + 1`.
 
   Options: `:traditional` (`false`), `:base` (`10_000.0`), `:scale` (`1.0`),
-  `:offset` (a non-negative integer, `0`), `:freqs` (a `{dims / 2}` tensor,
+  `:offset` (`0`: an integer; or an integer tensor, a scalar or one start
+  per batch `{B}` along axis 0, so that a decode loop under `defn` does not
+  retrace per step), `:freqs` (a `{dims / 2}` tensor,
   replaces `:base`), `:seq_axis` (default `-2`: `{B, H, T, D}` or
   `{B, T, D}`; pass `seq_axis: 1` for `{B, T, H, D}`, where every head of a
   row shares the row's position).
@@ -138,27 +140,19 @@ defmodule Moat.Fast do
     end
 
     offset = opts[:offset]
-
-    unless is_integer(offset) and offset >= 0 and offset < 2 ** 31 do
-      raise ArgumentError, "Moat.Fast.rope: :offset must be a non-negative integer, got #{inspect(offset)}"
-    end
+    offsets = offsets!(offset, x, seq_axis)
 
     struct = %Rope{
       dims: dims,
       traditional: opts[:traditional] == true,
       base: opts[:base] * 1.0,
       scale: opts[:scale] * 1.0,
-      offset: offset,
+      offset: if(offsets, do: nil, else: offset),
       seq_axis: seq_axis
     }
 
-    out = Nx.template(x.shape, x.type, names: x.names)
-
-    case opts[:freqs] do
-      nil ->
-        Nx.block(struct, [x], out, &rope_ref(&1, &2, nil))
-
-      freqs ->
+    freqs =
+      if freqs = opts[:freqs] do
         freqs = Nx.as_type(freqs, {:f, 32})
 
         if freqs.shape != {div(dims, 2)} do
@@ -166,11 +160,44 @@ defmodule Moat.Fast do
                 "Moat.Fast.rope: :freqs must have shape {#{div(dims, 2)}}, got #{inspect(freqs.shape)}"
         end
 
-        Nx.block(struct, [x, freqs], out, &rope_ref/3)
+        freqs
+      end
+
+    out = Nx.template(x.shape, x.type, names: x.names)
+
+    case {offsets, freqs} do
+      {nil, nil} -> Nx.block(struct, [x], out, &rope_ref(&1, &2, nil, nil))
+      {nil, f} -> Nx.block(struct, [x, f], out, &rope_ref(&1, &2, nil, &3))
+      {o, nil} -> Nx.block(struct, [x, o], out, &rope_ref(&1, &2, &3, nil))
+      {o, f} -> Nx.block(struct, [x, o, f], out, &rope_ref/4)
     end
   end
 
-  defp rope_ref(%Rope{} = r, x, freqs) do
+  defp offsets!(offset, _x, _seq_axis) when is_integer(offset) and offset >= 0 and offset < 2_147_483_648, do: nil
+
+  defp offsets!(%Nx.Tensor{type: {k, _}} = offset, x, seq_axis) when k in [:s, :u] do
+    batch = elem(x.shape, 0)
+
+    cond do
+      offset.shape == {} ->
+        offset
+
+      offset.shape == {batch} and Nx.rank(x) >= 3 and seq_axis != 0 ->
+        offset
+
+      true ->
+        raise ArgumentError,
+              "Moat.Fast.rope: an :offset tensor must be a scalar or {#{batch}} (one per batch, " <>
+                "with :seq_axis not 0), got shape #{inspect(offset.shape)}"
+    end
+  end
+
+  defp offsets!(offset, _x, _seq_axis) do
+    raise ArgumentError,
+          "Moat.Fast.rope: :offset must be a non-negative integer or an integer tensor, got #{inspect(offset)}"
+  end
+
+  defp rope_ref(%Rope{} = r, x, offsets, freqs) do
     {c, t, shape, rank} = {compute(x), x.type, x.shape, Nx.rank(x)}
     half = div(r.dims, 2)
     len = elem(shape, r.seq_axis)
@@ -181,10 +208,23 @@ defmodule Moat.Fast do
         do: Nx.divide(1.0, Nx.as_type(freqs, c)),
         else: Nx.exp(Nx.multiply(Nx.iota({half}, type: c), -:math.log(r.base) / half))
 
-    positions = Nx.multiply(Nx.add(Nx.iota({len, 1}, type: c), r.offset), r.scale)
-    theta = Nx.multiply(positions, Nx.reshape(inv_freqs, {1, half}))
-    # {T, half} placed at the sequence and feature axes, 1 elsewhere.
-    angle_shape = for i <- 0..(rank - 1), do: if(i == r.seq_axis, do: len, else: if(i == rank - 1, do: half, else: 1))
+    # Positions {P, T}: P is 1, or the batch with per-batch offsets.
+    start = if offsets, do: Nx.as_type(offsets, c), else: r.offset
+    start = if is_struct(start) and Nx.rank(start) == 1, do: Nx.reshape(start, {:auto, 1}), else: start
+    positions = Nx.multiply(Nx.add(Nx.iota({1, len}, type: c), start), r.scale)
+    per = elem(positions.shape, 0)
+    theta = Nx.multiply(Nx.reshape(positions, {per, len, 1}), Nx.reshape(inv_freqs, {1, 1, half}))
+    # {P, T, half} placed at the batch, sequence and feature axes, 1 elsewhere.
+    angle_shape =
+      for i <- 0..(rank - 1) do
+        cond do
+          i == r.seq_axis -> len
+          i == rank - 1 -> half
+          i == 0 -> per
+          true -> 1
+        end
+      end
+
     angle_shape = List.to_tuple(angle_shape)
     {cos, sin} = {Nx.reshape(Nx.cos(theta), angle_shape), Nx.reshape(Nx.sin(theta), angle_shape)}
 
@@ -355,8 +395,9 @@ defmodule Moat.Fast do
   def reference(%RMSNorm{} = s, [x, w]), do: rms_norm_ref(s, x, w)
   def reference(%LayerNorm{} = s, [x, w]), do: layer_norm_ref(s, x, w, nil)
   def reference(%LayerNorm{} = s, [x, w, b]), do: layer_norm_ref(s, x, w, b)
-  def reference(%Rope{} = s, [x]), do: rope_ref(s, x, nil)
-  def reference(%Rope{} = s, [x, freqs]), do: rope_ref(s, x, freqs)
+  def reference(%Rope{offset: nil} = s, [x, offsets | freqs]), do: rope_ref(s, x, offsets, List.first(freqs))
+  def reference(%Rope{} = s, [x]), do: rope_ref(s, x, nil, nil)
+  def reference(%Rope{} = s, [x, freqs]), do: rope_ref(s, x, nil, freqs)
   def reference(%SDPA{} = s, [q, k, v]), do: sdpa_ref(s, q, k, v, nil)
   def reference(%SDPA{} = s, [q, k, v, mask]), do: sdpa_ref(s, q, k, v, mask)
 

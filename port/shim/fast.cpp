@@ -34,6 +34,15 @@ int moat_fast_rope(const moat_array* x, int dims, int traditional, float base, f
   });
 }
 
+int moat_fast_rope_offsets(const moat_array* x, int dims, int traditional, float base,
+                           float scale, const moat_array* offset, const moat_array* freqs,
+                           moat_array** out) {
+  return produce(out, [&] {
+    std::optional<float> b = freqs ? std::nullopt : std::optional<float>(base);
+    return mx::fast::rope(arr(x), dims, traditional != 0, b, scale, arr(offset), maybe(freqs));
+  });
+}
+
 int moat_fast_sdpa(const moat_array* q, const moat_array* k, const moat_array* v, float scale,
                    const char* mask_mode, const moat_array* mask, moat_array** out) {
   return produce(out, [&] {

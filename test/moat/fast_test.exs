@@ -63,6 +63,18 @@ defmodule Moat.FastTest do
           assert_fused(&Fast.rope(&1, dims, opts), [x], @type_)
         end
 
+        # Offsets as tensors: one for all, or one start per batch.
+        for offsets <- [Nx.tensor(4), Nx.tensor([3, 11], type: {:u, 8})], seq_axis <- [-2, 1] do
+          fun = &Fast.rope(&1, 16, offset: &2, seq_axis: seq_axis, traditional: seq_axis == 1)
+          assert_fused(fun, [x, offsets], @type_)
+        end
+
+        assert_fused(
+          &Fast.rope(&1, 8, offset: &2, freqs: Nx.tensor([1.0, 2.0, 5.0, 50.0])),
+          [x, Nx.tensor([1, 2])],
+          @type_
+        )
+
         freqs = Nx.tensor([1.0, 2.0, 5.0, 50.0])
         assert_fused(&Fast.rope(&1, 8, freqs: freqs, offset: 3), [x], @type_)
         assert_fused(&Fast.rope(&1, 16, offset: 2), [Nx.reshape(x, {30, 16})], @type_)
@@ -223,6 +235,12 @@ defmodule Moat.FastTest do
       assert_raise ArgumentError, ~r/rope: dims must be a positive even/, fn -> Fast.rope(x, 3) end
       assert_raise ArgumentError, ~r/rope: dims must be/, fn -> Fast.rope(x, 10) end
       assert_raise ArgumentError, ~r/rope: :offset must be/, fn -> Fast.rope(x, 4, offset: -1) end
+      assert_raise ArgumentError, ~r/rope: :offset must be/, fn -> Fast.rope(x, 4, offset: Nx.tensor(1.0)) end
+
+      assert_raise ArgumentError, ~r/rope: an :offset tensor must be a scalar or \{2\}/, fn ->
+        Fast.rope(x, 4, offset: Nx.tensor([1, 2, 3]))
+      end
+
       assert_raise ArgumentError, ~r/rope: :seq_axis cannot be/, fn -> Fast.rope(x, 4, seq_axis: -1) end
 
       assert_raise ArgumentError, ~r/rope: :freqs must have shape \{2\}/, fn ->

@@ -385,6 +385,16 @@ extern "C" {
         freqs: *const moat_array,
         out: *mut *mut moat_array,
     ) -> c_int;
+    pub fn moat_fast_rope_offsets(
+        x: *const moat_array,
+        dims: c_int,
+        traditional: c_int,
+        base: f32,
+        scale: f32,
+        offset: *const moat_array,
+        freqs: *const moat_array,
+        out: *mut *mut moat_array,
+    ) -> c_int;
     pub fn moat_fast_sdpa(
         q: *const moat_array,
         k: *const moat_array,

@@ -5,7 +5,7 @@
 
 use super::convert::{is_complex, nonzero};
 use super::{attrs, finish, to_out_type, Outputs};
-use crate::mlx::ops::{self, Rope};
+use crate::mlx::ops::{self, Offset, Rope};
 use crate::mlx::{Array, Dtype};
 use crate::term::Term;
 
@@ -60,15 +60,14 @@ pub fn layer_norm(x: &[&Array], a: &Term) -> Outputs {
     finish(ops::fast_layer_norm(&v, Some(&w), b.as_ref(), eps(a)?), a)
 }
 
-/// `[x]` or `[x, freqs]`: attrs `dims`, `traditional`, `base`, `scale`,
-/// `offset`, `seq_axis` (the axis positions run along), `type`. MLX takes
-/// positions along axis -2: any other `seq_axis` is swapped there and back,
-/// because a `{B, T, H, D}` tensor handed over as it is would rotate head `h`
-/// at position `t + h`.
+/// `[x]`, then the offsets when attr `offset` is `nil`, then `freqs` if
+/// given: attrs `dims`, `traditional`, `base`, `scale`, `offset`,
+/// `seq_axis` (the axis positions run along), `type`. The offsets are an
+/// integer scalar or one start per batch (axis 0). MLX takes positions along
+/// axis -2: any other `seq_axis` is swapped there and back, because a
+/// `{B, T, H, D}` tensor handed over as it is would rotate head `h` at
+/// position `t + h`.
 pub fn rope(x: &[&Array], a: &Term) -> Outputs {
-    if x.len() > 2 {
-        return Err(format!("expected 1 or 2 inputs (x, freqs), got {}", x.len()));
-    }
     float_type(a)?;
     let v = to_out_type(x[0], a)?;
     let shape = v.shape();
@@ -87,11 +86,31 @@ pub fn rope(x: &[&Array], a: &Term) -> Outputs {
     if seq == rank - 1 {
         return Err("seq_axis cannot be the feature (last) axis".into());
     }
-    let freqs = x
-        .get(1)
-        .map(|f| ops::astype(f, Dtype::F32))
-        .transpose()
-        .map_err(|e| e.message)?;
+    let offset_attr = attrs::field(a, "offset")?;
+    let mut rest = x[1..].iter();
+    let offsets = if offset_attr.is_atom("nil") {
+        let o = rest.next().ok_or("offset is nil but no offset tensor was given")?;
+        let per_batch = o.shape() == [shape[0]] && rank >= 3 && seq != 0;
+        if !super::convert::is_integer(o.dtype()) || !(o.shape().is_empty() || per_batch) {
+            return Err(format!(
+                "the offset tensor must be an integer scalar or one per batch ([{}], with seq_axis not 0), \
+                 got {} of shape {:?}",
+                shape[0],
+                o.dtype().to_term(),
+                o.shape()
+            ));
+        }
+        Some(ops::astype(o, Dtype::S32)?)
+    } else {
+        None
+    };
+    let freqs = rest.next().map(|f| ops::astype(f, Dtype::F32)).transpose()?;
+    if rest.next().is_some() {
+        return Err(format!(
+            "expected at most 3 inputs (x, offsets, freqs), got {}",
+            x.len()
+        ));
+    }
     if let Some(f) = &freqs {
         if f.shape() != [dims / 2] {
             return Err(format!("freqs must have shape [{}], got {:?}", dims / 2, f.shape()));
@@ -102,7 +121,10 @@ pub fn rope(x: &[&Array], a: &Term) -> Outputs {
         traditional: attrs::boolean(attrs::field(a, "traditional")?)?,
         base: attrs::float(attrs::field(a, "base")?)? as f32,
         scale: attrs::float(attrs::field(a, "scale")?)? as f32,
-        offset: attrs::int(attrs::field(a, "offset")?)?,
+        offset: match &offsets {
+            Some(o) => Offset::Array(o),
+            None => Offset::Int(attrs::int(offset_attr)?),
+        },
         freqs: freqs.as_ref(),
     };
     let mut perm: Vec<i32> = (0..rank as i32).collect();

@@ -23,31 +23,36 @@ pub fn fast_layer_norm(x: &Array, weight: Option<&Array>, bias: Option<&Array>, 
     })
 }
 
+/// Where a rotary embedding's positions start: one for all, or an int32
+/// array (a scalar or one per batch, axis 0).
+pub enum Offset<'a> {
+    Int(i32),
+    Array(&'a Array),
+}
+
 /// The rotary embedding's parameters; `freqs`, when given, replaces `base`.
 pub struct Rope<'a> {
     pub dims: i32,
     pub traditional: bool,
     pub base: f32,
     pub scale: f32,
-    pub offset: i32,
+    pub offset: Offset<'a>,
     pub freqs: Option<&'a Array>,
 }
 
-/// Rotary embedding; positions run along axis -2 from `offset`.
+/// Rotary embedding; positions run along axis -2 from the offset.
 pub fn fast_rope(x: &Array, r: &Rope) -> Result<Array> {
-    // SAFETY: inputs are live (or null, which the shim reads as absent).
-    Array::from_call(|out| unsafe {
-        ffi::moat_fast_rope(
-            x.raw(),
-            r.dims,
-            i32::from(r.traditional),
-            r.base,
-            r.scale,
-            r.offset,
-            raw_or_null(r.freqs),
-            out,
-        )
-    })
+    let (dims, traditional, freqs) = (r.dims, i32::from(r.traditional), raw_or_null(r.freqs));
+    match r.offset {
+        // SAFETY: inputs are live (or null, which the shim reads as absent).
+        Offset::Int(offset) => Array::from_call(|out| unsafe {
+            ffi::moat_fast_rope(x.raw(), dims, traditional, r.base, r.scale, offset, freqs, out)
+        }),
+        // SAFETY: as above; `offset` is a live array.
+        Offset::Array(offset) => Array::from_call(|out| unsafe {
+            ffi::moat_fast_rope_offsets(x.raw(), dims, traditional, r.base, r.scale, offset.raw(), freqs, out)
+        }),
+    }
 }
 
 /// `softmax(q kᵀ · scale + mask) v`; `mask_mode` is `""` or `"causal"`.

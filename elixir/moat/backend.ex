@@ -812,7 +812,38 @@ defmodule Moat.Backend do
   def native_block(%Nx.Block.IRFFT{} = s, out, [t]),
     do: op(out, :irfft, [t], %{axis: s.axis, length: s.length, eps: s.eps, type: out.type})
 
-  def native_block(_struct, _output, _args), do: :default
+  # Moat.Fast's kernels (one `mlx::core::fast` op each).
+  def native_block(struct, output, args), do: fast_block(struct, output, args)
+
+  # Moat.Fast: one mlx::core::fast kernel each; Moat.Fast has converted the
+  # inputs to the output type and checked their shapes. MLX's kernels compute
+  # f64 in f32, so f64 takes the reference composition instead.
+  defp fast_block(_struct, %T{type: {:f, 64}}, _args), do: :default
+
+  defp fast_block(%Moat.Fast.RMSNorm{eps: eps}, out, args),
+    do: op(out, :fast_rms_norm, args, %{eps: eps, type: out.type})
+
+  defp fast_block(%Moat.Fast.LayerNorm{eps: eps}, out, args),
+    do: op(out, :fast_layer_norm, args, %{eps: eps, type: out.type})
+
+  defp fast_block(%Moat.Fast.Rope{} = r, out, args) do
+    attrs = %{
+      dims: r.dims,
+      traditional: r.traditional,
+      base: r.base,
+      scale: r.scale,
+      offset: r.offset,
+      seq_axis: r.seq_axis,
+      type: out.type
+    }
+
+    op(out, :fast_rope, args, attrs)
+  end
+
+  defp fast_block(%Moat.Fast.SDPA{scale: scale, causal: causal}, out, args),
+    do: op(out, :fast_sdpa, args, %{scale: scale, causal: causal, type: out.type})
+
+  defp fast_block(_struct, _output, _args), do: :default
 
   ## Fallbacks
 

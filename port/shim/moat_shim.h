@@ -257,6 +257,23 @@ int moat_rfftn(const moat_array* a, const int32_t* n, const int32_t* axes, size_
 int moat_irfftn(const moat_array* a, const int32_t* n, const int32_t* axes, size_t k,
                 moat_array** out);
 
+// -- fast kernels (fast.cpp)
+// mlx::core::fast: fused on the GPU; MLX's own compositions on the CPU.
+// A null weight, bias, freqs or mask is std::nullopt; with freqs, base is unused.
+int moat_fast_rms_norm(const moat_array* x, const moat_array* weight, float eps,
+                       moat_array** out);
+int moat_fast_layer_norm(const moat_array* x, const moat_array* weight, const moat_array* bias,
+                         float eps, moat_array** out);
+int moat_fast_rope(const moat_array* x, int dims, int traditional, float base, float scale,
+                   int offset, const moat_array* freqs, moat_array** out);
+// offset: a scalar or one start position per batch (axis 0), int32.
+int moat_fast_rope_offsets(const moat_array* x, int dims, int traditional, float base,
+                           float scale, const moat_array* offset, const moat_array* freqs,
+                           moat_array** out);
+// mask_mode: "" (mask or none) or "causal".
+int moat_fast_sdpa(const moat_array* q, const moat_array* k, const moat_array* v, float scale,
+                   const char* mask_mode, const moat_array* mask, moat_array** out);
+
 #ifdef __cplusplus
 }
 #endif

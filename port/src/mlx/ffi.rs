@@ -391,4 +391,48 @@ extern "C" {
         k: usize,
         out: *mut *mut moat_array,
     ) -> c_int;
+
+    // -- fast kernels
+    pub fn moat_fast_rms_norm(
+        x: *const moat_array,
+        weight: *const moat_array,
+        eps: f32,
+        out: *mut *mut moat_array,
+    ) -> c_int;
+    pub fn moat_fast_layer_norm(
+        x: *const moat_array,
+        weight: *const moat_array,
+        bias: *const moat_array,
+        eps: f32,
+        out: *mut *mut moat_array,
+    ) -> c_int;
+    pub fn moat_fast_rope(
+        x: *const moat_array,
+        dims: c_int,
+        traditional: c_int,
+        base: f32,
+        scale: f32,
+        offset: c_int,
+        freqs: *const moat_array,
+        out: *mut *mut moat_array,
+    ) -> c_int;
+    pub fn moat_fast_rope_offsets(
+        x: *const moat_array,
+        dims: c_int,
+        traditional: c_int,
+        base: f32,
+        scale: f32,
+        offset: *const moat_array,
+        freqs: *const moat_array,
+        out: *mut *mut moat_array,
+    ) -> c_int;
+    pub fn moat_fast_sdpa(
+        q: *const moat_array,
+        k: *const moat_array,
+        v: *const moat_array,
+        scale: f32,
+        mask_mode: *const c_char,
+        mask: *const moat_array,
+        out: *mut *mut moat_array,
+    ) -> c_int;
 }

@@ -14,6 +14,7 @@ mod compose;
 mod convert;
 mod creation;
 mod elementwise;
+mod fast;
 mod fft;
 mod indexing;
 mod integer;
@@ -192,6 +193,11 @@ const TABLE: &[(&str, Arity, Builder)] = &[
     ("ifft2", N(1), fft::ifft2),
     ("rfft", N(1), fft::rfft),
     ("irfft", N(1), fft::irfft),
+    // fast kernels (Moat.Fast)
+    ("fast_rms_norm", N(2), fast::rms_norm),
+    ("fast_layer_norm", AtLeast(2), fast::layer_norm),
+    ("fast_rope", AtLeast(1), fast::rope),
+    ("fast_sdpa", AtLeast(3), fast::sdpa),
 ];
 
 /// The graph ops, in table order.

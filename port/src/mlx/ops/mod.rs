@@ -4,6 +4,7 @@
 
 mod creation;
 mod elementwise;
+mod fast;
 mod fft;
 mod indexing;
 mod linalg;
@@ -13,6 +14,7 @@ mod window;
 
 pub use creation::*;
 pub use elementwise::*;
+pub use fast::*;
 pub use fft::*;
 pub use indexing::*;
 pub use linalg::*;

@@ -1,0 +1,193 @@
+//! MLX's `fast` kernels (Moat.Fast): RMS and layer norm, rotary embedding and
+//! scaled dot-product attention, each one MLX call. Moat.Fast converts the
+//! inputs to the output type first; the shapes MLX would refuse are checked
+//! here, so that the error names what is wrong.
+
+use super::convert::{is_complex, nonzero};
+use super::{attrs, finish, to_out_type, Outputs};
+use crate::mlx::ops::{self, Offset, Rope};
+use crate::mlx::{Array, Dtype};
+use crate::term::Term;
+
+type Checked<T> = Result<T, String>;
+
+/// A real float output type (MLX's kernels take no integers or complex).
+fn float_type(a: &Term) -> Checked<Dtype> {
+    match attrs::out_type(a)? {
+        Some(t) if t.is_float() && !is_complex(t) => Ok(t),
+        Some(t) => Err(format!("expected a real float type, got {}", t.to_term())),
+        None => Err("missing attribute type".into()),
+    }
+}
+
+fn eps(a: &Term) -> Checked<f32> {
+    Ok(attrs::float(attrs::field(a, "eps")?)? as f32)
+}
+
+/// The last axis of `x` and the vector `v` (a weight or bias) agree.
+fn check_vector(x: &Array, v: &Array, what: &str) -> Checked<()> {
+    let (xs, vs) = (x.shape(), v.shape());
+    match xs.last() {
+        None => Err("expected a tensor of rank at least 1, got a scalar".into()),
+        Some(&d) if vs == [d] => Ok(()),
+        Some(&d) => Err(format!(
+            "{what} must have shape [{d}] (the last axis of {xs:?}), got {vs:?}"
+        )),
+    }
+}
+
+/// `[x, weight]`: attrs `eps`, `type`.
+pub fn rms_norm(x: &[&Array], a: &Term) -> Outputs {
+    float_type(a)?;
+    let (v, w) = (to_out_type(x[0], a)?, to_out_type(x[1], a)?);
+    check_vector(&v, &w, "weight")?;
+    finish(ops::fast_rms_norm(&v, Some(&w), eps(a)?), a)
+}
+
+/// `[x, weight]` or `[x, weight, bias]`: attrs `eps`, `type`.
+pub fn layer_norm(x: &[&Array], a: &Term) -> Outputs {
+    if x.len() > 3 {
+        return Err(format!("expected 2 or 3 inputs (x, weight, bias), got {}", x.len()));
+    }
+    float_type(a)?;
+    let v = to_out_type(x[0], a)?;
+    let w = to_out_type(x[1], a)?;
+    check_vector(&v, &w, "weight")?;
+    let b = x.get(2).map(|b| to_out_type(b, a)).transpose()?;
+    if let Some(b) = &b {
+        check_vector(&v, b, "bias")?;
+    }
+    finish(ops::fast_layer_norm(&v, Some(&w), b.as_ref(), eps(a)?), a)
+}
+
+/// `[x]`, then the offsets when attr `offset` is `nil`, then `freqs` if
+/// given: attrs `dims`, `traditional`, `base`, `scale`, `offset`,
+/// `seq_axis` (the axis positions run along), `type`. The offsets are an
+/// integer scalar or one start per batch (axis 0). MLX takes positions along
+/// axis -2: any other `seq_axis` is swapped there and back, because a
+/// `{B, T, H, D}` tensor handed over as it is would rotate head `h` at
+/// position `t + h`.
+pub fn rope(x: &[&Array], a: &Term) -> Outputs {
+    float_type(a)?;
+    let v = to_out_type(x[0], a)?;
+    let shape = v.shape();
+    let rank = shape.len();
+    if rank < 2 {
+        return Err(format!("expected a tensor of rank at least 2, got shape {shape:?}"));
+    }
+    let dims = attrs::positive(attrs::field(a, "dims")?)?;
+    let last = shape[rank - 1];
+    if dims % 2 != 0 || dims > last {
+        return Err(format!(
+            "dims must be even and at most the last axis ({last}), got {dims}"
+        ));
+    }
+    let seq = attrs::axis(attrs::field(a, "seq_axis")?, rank)? as usize;
+    if seq == rank - 1 {
+        return Err("seq_axis cannot be the feature (last) axis".into());
+    }
+    let offset_attr = attrs::field(a, "offset")?;
+    let mut rest = x[1..].iter();
+    let offsets = if offset_attr.is_atom("nil") {
+        let o = rest.next().ok_or("offset is nil but no offset tensor was given")?;
+        let per_batch = o.shape() == [shape[0]] && rank >= 3 && seq != 0;
+        if !super::convert::is_integer(o.dtype()) || !(o.shape().is_empty() || per_batch) {
+            return Err(format!(
+                "the offset tensor must be an integer scalar or one per batch ([{}], with seq_axis not 0), \
+                 got {} of shape {:?}",
+                shape[0],
+                o.dtype().to_term(),
+                o.shape()
+            ));
+        }
+        Some(ops::astype(o, Dtype::S32)?)
+    } else {
+        None
+    };
+    let freqs = rest.next().map(|f| ops::astype(f, Dtype::F32)).transpose()?;
+    if rest.next().is_some() {
+        return Err(format!(
+            "expected at most 3 inputs (x, offsets, freqs), got {}",
+            x.len()
+        ));
+    }
+    if let Some(f) = &freqs {
+        if f.shape() != [dims / 2] {
+            return Err(format!("freqs must have shape [{}], got {:?}", dims / 2, f.shape()));
+        }
+    }
+    let spec = Rope {
+        dims,
+        traditional: attrs::boolean(attrs::field(a, "traditional")?)?,
+        base: attrs::float(attrs::field(a, "base")?)? as f32,
+        scale: attrs::float(attrs::field(a, "scale")?)? as f32,
+        offset: match &offsets {
+            Some(o) => Offset::Array(o),
+            None => Offset::Int(attrs::int(offset_attr)?),
+        },
+        freqs: freqs.as_ref(),
+    };
+    let mut perm: Vec<i32> = (0..rank as i32).collect();
+    perm.swap(seq, rank - 2);
+    let moved = seq != rank - 2;
+    let mlx = || -> crate::mlx::Result<Array> {
+        let v = if moved { ops::transpose(&v, &perm)? } else { v.share()? };
+        // MLX wants at least 3 axes; a {T, D} matrix gets a batch of one.
+        let flat = rank == 2;
+        let v = if flat {
+            ops::reshape(&v, &[1, shape[0], shape[1]])?
+        } else {
+            v
+        };
+        let r = ops::fast_rope(&v, &spec)?;
+        let r = if flat { ops::reshape(&r, &shape)? } else { r };
+        // A transposition that swaps two axes is its own inverse.
+        if moved {
+            ops::transpose(&r, &perm)
+        } else {
+            Ok(r)
+        }
+    };
+    finish(mlx(), a)
+}
+
+/// `[q, k, v]` or `[q, k, v, mask]`, each of q, k, v `{B, H, T, D}` with
+/// `k`/`v` holding a divisor of q's heads (grouped-query attention, not
+/// tiled): attrs `scale`, `causal`, `type`. An integer mask is boolean
+/// (non-zero attends); a float mask is added to the scores.
+pub fn sdpa(x: &[&Array], a: &Term) -> Outputs {
+    if x.len() > 4 {
+        return Err(format!("expected 3 or 4 inputs (q, k, v, mask), got {}", x.len()));
+    }
+    let t = float_type(a)?;
+    let (q, k, v) = (to_out_type(x[0], a)?, to_out_type(x[1], a)?, to_out_type(x[2], a)?);
+    let (qs, ks, vs) = (q.shape(), k.shape(), v.shape());
+    if qs.len() != 4 || ks.len() != 4 || vs.len() != 4 {
+        return Err(format!(
+            "q, k and v must be {{B, H, T, D}}, got shapes {qs:?}, {ks:?}, {vs:?}"
+        ));
+    }
+    if qs[0] != ks[0] || ks[0] != vs[0] || ks[1] != vs[1] || ks[2] != vs[2] || qs[3] != ks[3] {
+        return Err(format!(
+            "q {qs:?}, k {ks:?} and v {vs:?} disagree: they need one batch, k and v one head count and \
+             length, q and k one head size"
+        ));
+    }
+    if ks[1] == 0 || qs[1] % ks[1] != 0 {
+        return Err(format!("q's {} heads are not a multiple of k's {}", qs[1], ks[1]));
+    }
+    let scale = attrs::float(attrs::field(a, "scale")?)? as f32;
+    let mode = if attrs::boolean(attrs::field(a, "causal")?)? {
+        "causal"
+    } else {
+        ""
+    };
+    let mask = match x.get(3) {
+        None => None,
+        Some(m) if m.dtype() == Dtype::Bool => Some(m.share()?),
+        Some(m) if m.dtype().is_float() && !is_complex(m.dtype()) => Some(ops::astype(m, t)?),
+        Some(m) if !is_complex(m.dtype()) => Some(nonzero(m)?),
+        Some(_) => return Err("a complex mask is neither boolean nor additive".into()),
+    };
+    finish(ops::fast_sdpa(&q, &k, &v, scale, mode, mask.as_ref()), a)
+}

@@ -76,9 +76,9 @@ defmodule Moat.Compiler do
   that evaluate while they are built (indexing, integer division: their
   checks read values) keep their part unfused, as do `cond` branches. Fused results may differ from the
   evaluator's in the last bits of float math; unfused ones are equal bit for
-  bit. Off by default: in `bin/bench`, a 102-op element-wise chain ran about
-  3× faster fused, the MLP about as fast, and the first call of a new kernel
-  costs seconds.
+  bit. Off by default: in `bin/bench`, a 102-op element-wise chain ran 3–10×
+  faster fused, the MLP and a small while loop about as fast, and the first
+  call of a new kernel costs seconds.
 
   ## Caches and restarts
 

@@ -120,7 +120,7 @@ impl Programs {
             ));
         }
         let fuse = attrs.get("fuse").is_some_and(|f| f.is_atom("true")) && !checks.detect_non_finite;
-        let mut program = Program::parse(attrs, fuse.then_some(*checks))?;
+        let mut program = Program::parse(attrs, checks, fuse)?;
         if fuse {
             program.fuse(*checks);
         }
@@ -136,20 +136,23 @@ impl Programs {
 impl Program {
     /// With `fuse`, the while loops whose iterations can be traced are
     /// compiled (see `fuse_loops`).
-    fn parse(attrs: &Term, fuse: Option<Checks>) -> Result<Program, String> {
+    fn parse(attrs: &Term, checks: &Checks, fuse: bool) -> Result<Program, String> {
         let slots = field(attrs, "slots")?
             .as_int()
             .and_then(|n| usize::try_from(n).ok())
             .filter(|n| *n <= MAX_SLOTS)
             .ok_or_else(|| format!("slots must be an integer in 0..={MAX_SLOTS}"))?;
-        let p = Parser { slots };
+        let p = Parser {
+            slots,
+            literals: !checks.detect_non_finite,
+        };
         Ok(Program {
             slots,
             inputs: p.slot_list(field(attrs, "inputs")?)?,
             outputs: p.slot_list(field(attrs, "outputs")?)?,
             steps: Rc::new(p.steps(field(attrs, "steps")?).map(|mut steps| {
-                if let Some(checks) = fuse {
-                    fuse_loops(&mut steps, slots, checks);
+                if fuse {
+                    fuse_loops(&mut steps, slots, *checks);
                 }
                 steps
             })?),
@@ -443,6 +446,9 @@ fn field<'a>(attrs: &'a Term, key: &str) -> Result<&'a Term, String> {
 
 struct Parser {
     slots: usize,
+    /// Whether small creation ops may be evaluated once (not under
+    /// `detect_non_finite`, which checks each op's results as it runs).
+    literals: bool,
 }
 
 impl Parser {
@@ -538,7 +544,10 @@ impl Parser {
                 Ok(Step::Op {
                     name: name.to_string(),
                     builder,
-                    literal: literal(name, builder, attrs, outs.len()),
+                    literal: self
+                        .literals
+                        .then(|| literal(name, builder, attrs, outs.len()))
+                        .flatten(),
                     ins,
                     outs,
                     attrs: attrs.clone(),

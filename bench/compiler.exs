@@ -52,7 +52,7 @@ end
 
 alias Bench.Models, as: M
 
-conn = Moat.Client.conn()
+conn = Moat.Client.conn(Moat.Worker)
 frames = fn -> :atomics.get(conn.counters, 2) end
 jit = &Nx.Defn.jit(&1, compiler: Moat.Compiler)
 eval = &Nx.Defn.jit(&1, compiler: Nx.Defn.Evaluator)

@@ -148,6 +148,7 @@ fn c_type(t: &str) -> String {
         ["int32_t"] => "i32",
         ["int64_t"] => "i64",
         ["double"] => "f64",
+        ["float"] => "f32",
         [name] if name.starts_with("moat_") => name,
         other => panic!("moat_shim.h: no Rust mapping for C type {other:?} (in {t:?})"),
     }

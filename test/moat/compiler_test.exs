@@ -145,7 +145,7 @@ defmodule Moat.CompilerTest do
     b = random({4}, 2)
     assert_same(fun.(a, b), evaluate(&C.elementwise/2).(a, b))
 
-    conn = Moat.Client.conn()
+    conn = Moat.Client.conn(Moat.Worker)
     # Sent frames (see Moat.Client's counters): a replay is one frame.
     sent = fn -> :atomics.get(conn.counters, 2) end
     before = sent.()

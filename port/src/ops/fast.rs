@@ -15,7 +15,7 @@ type Checked<T> = Result<T, String>;
 fn float_type(a: &Term) -> Checked<Dtype> {
     match attrs::out_type(a)? {
         Some(t) if t.is_float() && !is_complex(t) => Ok(t),
-        Some(t) => Err(format!("expected a real float type, got {}", t.to_term())),
+        Some(t) => Err(format!("expected a real float type, got {}", crate::protocol::dtype_term(t))),
         None => Err("missing attribute type".into()),
     }
 }
@@ -96,7 +96,7 @@ pub fn rope(x: &[&Array], a: &Term) -> Outputs {
                 "the offset tensor must be an integer scalar or one per batch ([{}], with seq_axis not 0), \
                  got {} of shape {:?}",
                 shape[0],
-                o.dtype().to_term(),
+                crate::protocol::dtype_term(o.dtype()),
                 o.shape()
             ));
         }

@@ -8,6 +8,7 @@
 #                      hops on stderr and this run writes the caller's stamps
 #                      to $MOAT_STAMPS (default /tmp/moat_stamps.bin)
 #   join STDERR_LOG    joins those stamps into the hop table
+#   dispatch           the caller's cost of each part of a fire-and-forget op
 #   ab BEFORE AFTER    two worker binaries side by side in one VM: paired wall
 #                      medians, and per call the worker's CPU time and context
 #                      switches (from /proc, which load does not move much)
@@ -19,6 +20,7 @@ defmodule Profile do
 
   def main(["join", log]), do: join(log)
   def main(["ab", before, after_]), do: ab(before, after_)
+  def main(["dispatch"]), do: dispatch()
   def main(_), do: paths()
 
   ## paths
@@ -183,6 +185,45 @@ defmodule Profile do
       for {name, f} <- hops, xs = rows |> Enum.map(f) |> Enum.reject(&is_nil/1), xs != [] do
         row([name, fmt(median(xs) / 1000)])
       end
+    end
+  end
+
+  ## dispatch
+
+  defp dispatch do
+    small = moat(f32(4, 1.5), {4})
+    one = small.data.ref
+    conn = Moat.Client.conn(Moat.Worker)
+    n = 20_000
+    bin = Nx.tensor([1.5, 1.5, 1.5, 1.5], type: :f32, backend: Nx.BinaryBackend)
+    frame = fn -> Moat.Protocol.request(0, conn.generation, :add, [123], [1, 2], %{type: {:f, 32}}) end
+
+    parts = [
+      {"`Moat.Client.new_id/0`", fn -> Moat.Client.new_id() end},
+      {"`Moat.Finalizer.new/2` (and the token's destructor, at GC)", fn -> Moat.Finalizer.new(conn.releaser, 1) end},
+      {"`Moat.Client.ref/2` (Finalizer.new and the checks around it)",
+       fn -> Moat.Client.ref(conn, Moat.Client.new_id()) end},
+      {"`Moat.Client.ids!/3` of two handles", fn -> Moat.Client.ids!(conn, [one, one], :add) end},
+      {"`Moat.Protocol.request/7`: encoding an add's frame", frame},
+      {"`Port.command/2` of a `:sync` cast (seq 0: no reply)", fn -> Moat.Client.cast(conn, :sync, [], [], nil) end},
+      {"all of a raw add: new_id, ids!, ref, cast",
+       fn ->
+         id = Moat.Client.new_id()
+         Moat.Client.cast(conn, :add, [id], Moat.Client.ids!(conn, [one, one], :add), %{type: {:f, 32}})
+         Moat.Client.ref(conn, id)
+       end},
+      {"`Nx.add` on Moat.Backend", fn -> Nx.add(small, small) end},
+      {"`Nx.add` on Nx.BinaryBackend", fn -> Nx.add(bin, bin) end}
+    ]
+
+    row(["part (#{n} in a row, median of 5)", "µs each"])
+    row(["---", "---:"])
+
+    for {label, f} <- parts do
+      each = median(for _ <- 1..5, do: time_us(fn -> for _ <- 1..n, do: f.() end) / n)
+      {:ok, _, _} = Moat.Client.call(conn, :sync, [], nil)
+      :erlang.garbage_collect()
+      row([label, fmt(each)])
     end
   end
 

@@ -103,6 +103,9 @@ pub fn read_loop(input: impl Read, config: ReaderConfig, tx: Sender<Incoming>) -
     };
     while let Some(head) = reader.frames.next_head()? {
         let msg = reader.incoming(head)?;
+        if let Incoming::Request { req, .. } = &msg {
+            crate::trace::stamp("R", req.seq);
+        }
         if tx.send(msg).is_err() {
             break;
         }
@@ -355,47 +358,68 @@ fn upload_attrs(req: &Request) -> Result<(Vec<i32>, Dtype, usize), String> {
     Ok((shape, dtype, total as usize))
 }
 
-/// The way out of the worker. A small frame is written at once by the thread
+/// The way out of the worker. A small frame (a header, or a readback of at
+/// most `INLINE_BYTES` that fits one chunk) is written at once by the thread
 /// that has it when nothing is queued ahead of it, which saves a thread
-/// wake-up per reply; anything else, tensor data above all, goes through the
-/// writer thread. Replies to different calls may thus pass each other; the
-/// frames of one reply never do, and the client takes acks as a maximum.
+/// wake-up per reply (docs/latency.md); anything else, large tensor data
+/// above all, goes through the writer thread. Replies to different calls may
+/// thus pass each other; the frames of one reply never do, and the client
+/// takes acks as a maximum.
 #[derive(Clone)]
 pub struct Replies {
     queue: Sender<Outgoing>,
     sink: Sink,
+    chunk_bytes: usize,
 }
+
+/// The largest readback the session thread writes itself: one buffer's worth,
+/// so that a write never waits long on a reader slow to drain the pipe.
+const INLINE_BYTES: usize = 64 << 10;
 
 type Sink = Arc<Mutex<BufWriter<Box<dyn Write + Send>>>>;
 
 impl Replies {
-    /// The replies and the writer thread's queue, over `output`.
-    pub fn new(output: impl Write + Send + 'static, capacity: usize) -> (Replies, Writer) {
+    /// The replies and the writer thread's queue, over `output`; readbacks
+    /// go in frames of at most `chunk_bytes`.
+    pub fn new(output: impl Write + Send + 'static, capacity: usize, chunk_bytes: usize) -> (Replies, Writer) {
         let (queue, rx) = bounded(capacity);
-        let sink: Sink = Arc::new(Mutex::new(BufWriter::with_capacity(64 << 10, Box::new(output))));
+        let sink: Sink = Arc::new(Mutex::new(BufWriter::with_capacity(INLINE_BYTES, Box::new(output))));
+        let chunk_bytes = chunk_bytes.max(1);
         (
             Replies {
                 queue,
                 sink: sink.clone(),
+                chunk_bytes,
             },
-            Writer { sink, rx },
+            Writer { sink, rx, chunk_bytes },
         )
+    }
+
+    fn inline(&self, msg: &Outgoing) -> bool {
+        match msg {
+            Outgoing::Frame(_) => true,
+            Outgoing::Data { data, .. } => data.bytes().len() <= INLINE_BYTES.min(self.chunk_bytes),
+        }
     }
 
     /// Sends `msg`; a failed write means the client is gone, and the process
     /// exits (as the writer thread does).
     pub fn send(&self, msg: Outgoing) {
-        let msg = match msg {
-            Outgoing::Frame(header) if self.queue.is_empty() => match self.sink.try_lock() {
+        let msg = if self.inline(&msg) && self.queue.is_empty() {
+            match self.sink.try_lock() {
                 Ok(mut w) if self.queue.is_empty() => {
-                    if write_frame(&mut *w, &header, &[]).and_then(|()| w.flush()).is_err() {
+                    if write_outgoing(&mut *w, msg, self.chunk_bytes)
+                        .and_then(|()| w.flush())
+                        .is_err()
+                    {
                         crate::sys::exit_now(0);
                     }
                     return;
                 }
-                _ => Outgoing::Frame(header),
-            },
-            other => other,
+                _ => msg,
+            }
+        } else {
+            msg
         };
         // The writer only goes away when the client is gone; the process
         // exits then, so there is no one left to tell.
@@ -408,12 +432,14 @@ impl Replies {
 pub struct Writer {
     sink: Sink,
     rx: Receiver<Outgoing>,
+    chunk_bytes: usize,
 }
 
 impl Writer {
     /// Writes until every `Replies` is dropped (`Ok`) or the client is gone
     /// (`Err`, typically a broken pipe).
-    pub fn run(self, chunk_bytes: usize) -> io::Result<()> {
+    pub fn run(self) -> io::Result<()> {
+        let chunk_bytes = self.chunk_bytes;
         while let Ok(first) = self.rx.recv() {
             let mut w = self.sink.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
             write_outgoing(&mut *w, first, chunk_bytes)?;

@@ -5,7 +5,7 @@
 //! must pass), `registry` (ids to arrays), `program` (graphs defined once and
 //! run many times), `budget` (the memory limit), `shared` (same-host transfers
 //! through shared memory), `ops` (the op table), `mlx` (the safe layer over
-//! the C++ shim) and `sys` (OS calls).
+//! the C++ shim), `sys` (OS calls) and `trace` (the latency trace).
 
 pub mod budget;
 pub mod checks;
@@ -25,3 +25,4 @@ pub mod session;
 pub mod shared;
 pub mod sys;
 pub mod term;
+pub mod trace;

@@ -99,12 +99,11 @@ fn main() {
     sys::grow_pipe(3, 1 << 20);
     sys::grow_pipe(4, 1 << 20);
 
-    let (replies, writer) = Replies::new(output, 1024);
-    let chunk = opts.limits.chunk_bytes;
+    let (replies, writer) = Replies::new(output, 1024, opts.limits.chunk_bytes);
     thread::Builder::new()
         .name("writer".into())
         .spawn(move || {
-            if let Err(e) = writer.run(chunk) {
+            if let Err(e) = writer.run() {
                 log::info!("client gone ({e}); exiting");
             }
             sys::exit_now(0);

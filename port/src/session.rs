@@ -150,6 +150,7 @@ impl Session {
     }
 
     fn request(&mut self, req: Request, upload: Option<Upload>) {
+        crate::trace::stamp("S", req.seq);
         if req.generation != self.generation {
             let failure = Failure::stale_generation(req.generation, self.generation, &req.op);
             return self.fail(req.seq, &req.outs, Rc::new(failure));
@@ -208,6 +209,7 @@ impl Session {
     fn reply(&self, seq: u64, result: Term) {
         if seq != 0 {
             self.send(Outgoing::Frame(protocol::ok(seq, result)));
+            crate::trace::stamp("W", seq);
         }
     }
 
@@ -302,11 +304,13 @@ impl Session {
             }
             (Ok(data), _) => {
                 let info = protocol::map(metadata_pairs(data.array(), Some(data.bytes().len())));
+                crate::trace::stamp("E", req.seq);
                 self.send(Outgoing::Data {
                     seq: req.seq,
                     result: protocol::ok(req.seq, info),
                     data,
                 });
+                crate::trace::stamp("W", req.seq);
             }
             (Err(failure), _) => self.fail(req.seq, &[], failure),
         }

@@ -542,7 +542,7 @@ fn the_reader_turns_every_packet_into_exactly_one_message() {
             rest = &rest[4 + n..];
         }
         let (tx, rx) = unbounded();
-        let (replies, _writer) = Replies::new(std::io::sink(), 1024);
+        let (replies, _writer) = Replies::new(std::io::sink(), 1024, limits.chunk_bytes);
         let config = ReaderConfig {
             limits,
             generation: 3,

@@ -85,6 +85,24 @@ defmodule Moat.WorkerTest do
       assert from_f32(Moat.to_binary(ref)) == values
     end
 
+    test "concurrent readbacks, small (written by the session) and chunked (by the writer), reach their callers" do
+      # Small replies pass queued large ones (docs/latency.md): each caller
+      # must still get its own bytes, every chunk in order.
+      worker = start_worker(:mixed_readbacks, chunk_bytes: 4096, shared_memory: false)
+
+      callers =
+        for caller <- 1..12 do
+          Task.async(fn ->
+            n = if rem(caller, 3) == 0, do: 20_000, else: 4
+            values = Enum.map(1..n, &(&1 * 1.0 + caller))
+            ref = Moat.from_binary(f32(values), {n}, {:f, 32}, worker: worker)
+            Enum.all?(1..30, fn _ -> from_f32(Moat.to_binary(ref)) == values end)
+          end)
+        end
+
+      assert Task.await_many(callers, 60_000) == List.duplicate(true, 12)
+    end
+
     test "telemetry spans to_binary and eval" do
       forward_events([[:moat, :to_binary, :stop], [:moat, :eval, :stop]])
 

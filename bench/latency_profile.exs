@@ -1,0 +1,295 @@
+# The hop-by-hop profile of docs/latency.md. Three modes (that document has
+# the exact commands):
+#
+#   paths              wall medians of each path (a bare echo, an echo relayed
+#                      through a process as Moat.Worker relays replies, a
+#                      worker port owned by the caller, the Moat path); with
+#                      MOAT_TRACE=1 in the environment every worker stamps its
+#                      hops on stderr and this run writes the caller's stamps
+#                      to $MOAT_STAMPS (default /tmp/moat_stamps.bin)
+#   join STDERR_LOG    joins those stamps into the hop table
+#   dispatch           the caller's cost of each part of a fire-and-forget op
+#   ab BEFORE AFTER    two worker binaries side by side in one VM: paired wall
+#                      medians, and per call the worker's CPU time and context
+#                      switches (from /proc, which load does not move much)
+
+defmodule Profile do
+  import Bench
+
+  @stamps System.get_env("MOAT_STAMPS", "/tmp/moat_stamps.bin")
+
+  def main(["join", log]), do: join(log)
+  def main(["ab", before, after_]), do: ab(before, after_)
+  def main(["dispatch"]), do: dispatch()
+  def main(_), do: paths()
+
+  ## paths
+
+  defp paths do
+    trace? = System.get_env("MOAT_TRACE") == "1"
+    conn = Moat.Client.conn(Moat.Worker)
+    path = System.get_env("MOAT_WORKER") || Application.app_dir(:moat, "priv/moat_port")
+    direct = direct_port(path, conn.generation)
+    # Seqs of the caller's own port start high, to tell its stamps apart.
+    seqs = :counters.new(1, [])
+    :counters.put(seqs, 1, 1_000_000_000)
+    stamps = :ets.new(:stamps, [:public, :bag])
+    small = moat(f32(4, 1.5), {4})
+    evaluated = Nx.add(small, small)
+    Nx.to_binary(evaluated)
+    moat_seq = fn -> :atomics.get(conn.counters, 1) + 1 end
+    direct_seq = fn -> :counters.get(seqs, 1) + 1 end
+
+    timed = fn label, next_seq, fun ->
+      fn ->
+        seq = next_seq.()
+        t0 = :os.system_time(:nanosecond)
+        fun.()
+        if trace?, do: :ets.insert(stamps, {label, seq, t0, :os.system_time(:nanosecond)})
+      end
+    end
+
+    direct_add = fn ->
+      id = Moat.Client.new_id()
+      Port.command(direct, request(conn.generation, 0, :add, [id], [1, 1], %{type: {:f, 32}}))
+      direct_call(direct, seqs, conn.generation, :to_binary, [id])
+      Port.command(direct, request(conn.generation, 0, :release, [], [id], nil))
+    end
+
+    variants = [
+      {"echo, `cat` owned by the caller", echo(self())},
+      {"echo, `cat` owned by a relay process", echo(relay())},
+      {"`:sync`, worker port owned by the caller",
+       timed.(:direct_sync, direct_seq, fn -> direct_call(direct, seqs, conn.generation, :sync, []) end)},
+      {"`:sync`, Moat.Client.call",
+       timed.(:moat_sync, moat_seq, fn -> {:ok, _, _} = Moat.Client.call(conn, :sync, [], nil) end)},
+      {"readback f32[4], worker port owned by the caller",
+       timed.(:direct_readback, direct_seq, fn -> direct_call(direct, seqs, conn.generation, :to_binary, [2]) end)},
+      {"readback f32[4], Nx.to_binary", timed.(:moat_readback, moat_seq, fn -> Nx.to_binary(evaluated) end)},
+      {"add + readback, worker port owned by the caller", timed.(:direct_add_readback, direct_seq, direct_add)},
+      {"add + readback, Nx", timed.(:moat_add_readback, moat_seq, fn -> small |> Nx.add(small) |> Nx.to_binary() end)}
+    ]
+
+    for {_, f} <- variants, _ <- 1..200, do: f.()
+    :ets.delete_all_objects(stamps)
+    rounds = String.to_integer(System.get_env("PROFILE_ROUNDS", "10"))
+
+    results =
+      for _ <- 1..rounds, {name, f} <- variants, reduce: %{} do
+        acc -> Map.update(acc, name, samples(200, f), &(&1 ++ samples(200, f)))
+      end
+
+    row(["path", "median µs", "p90 µs"])
+    row(["---", "---:", "---:"])
+    for {name, _} <- variants, do: row([name, fmt(median(results[name])), fmt(percentile(results[name], 90))])
+    if trace?, do: File.write!(@stamps, :erlang.term_to_binary(:ets.tab2list(stamps)))
+  end
+
+  defp echo(owner) do
+    port = if owner == self(), do: cat(), else: owner
+    me = self()
+
+    fn ->
+      Port.command(port, "a small frame")
+
+      receive do
+        {^port, {:data, _}} -> :ok
+        {:relayed, ^me} -> :ok
+      end
+    end
+  end
+
+  defp cat, do: Port.open({:spawn_executable, System.find_executable("cat")}, [:binary, {:packet, 4}])
+
+  # A `cat` port owned by another process, which forwards each frame.
+  defp relay do
+    me = self()
+
+    spawn_link(fn ->
+      port = cat()
+      send(me, {:relay_port, port})
+      relay_loop(port, me)
+    end)
+
+    receive do: ({:relay_port, port} -> port)
+  end
+
+  defp relay_loop(port, to) do
+    receive do: ({^port, {:data, _}} -> send(to, {:relayed, to}))
+    relay_loop(port, to)
+  end
+
+  # A worker of the caller's own, holding tensor 1 (f32[4]) and 2 (1 + 1, evaluated).
+  defp direct_port(path, generation) do
+    env = if System.get_env("MOAT_TRACE") == "1", do: [{~c"MOAT_TRACE", ~c"1"}], else: []
+    args = ["--generation", "#{generation}"]
+    port = Port.open({:spawn_executable, path}, [:binary, {:packet, 4}, :nouse_stdio, {:env, env}, {:args, args}])
+    receive do: ({^port, {:data, _hello}} -> :ok)
+    attrs = %{bytes: 16, dtype: {:f, 32}, shape: [4]}
+    Port.command(port, request(generation, 0, :from_binary, [1], [], attrs, f32(4, 1.5)))
+    Port.command(port, request(generation, 0, :add, [2], [1, 1], %{type: {:f, 32}}))
+    seqs = :counters.new(1, [])
+    direct_call(port, seqs, generation, :to_binary, [2])
+    port
+  end
+
+  defp request(generation, seq, op, outs, ins, attrs, payload \\ []),
+    do: Moat.Protocol.request(seq, generation, op, outs, ins, attrs, payload)
+
+  defp direct_call(port, seqs, generation, op, ins) do
+    :counters.add(seqs, 1, 1)
+    seq = :counters.get(seqs, 1)
+    Port.command(port, request(generation, seq, op, [], ins, nil))
+    await(port, seq)
+  end
+
+  # The reply to seq; acks are dropped.
+  defp await(port, seq) do
+    receive do
+      {^port, {:data, <<len::32, header::binary-size(len), _::binary>>}} ->
+        case :erlang.binary_to_term(header) do
+          {:ok, ^seq, _} -> :ok
+          _ -> await(port, seq)
+        end
+    end
+  end
+
+  ## join
+
+  defp join(log) do
+    worker =
+      for line <- File.stream!(log), String.starts_with?(line, "T "), reduce: %{} do
+        acc ->
+          [_, stage, seq, t] = String.split(line)
+          {seq, t} = {String.to_integer(seq), String.to_integer(t)}
+          Map.update(acc, seq, %{stage => t}, &Map.put(&1, stage, t))
+      end
+
+    stamps = :erlang.binary_to_term(File.read!(@stamps))
+
+    hops = [
+      {"caller sends → reader has decoded the frame", fn {t0, w, _} -> w["R"] - t0 end},
+      {"reader → session thread (channel wake-up)", fn {_, w, _} -> w["S"] - w["R"] end},
+      {"session: the request, up to its reply handed off", fn {_, w, _} -> w["W"] - w["S"] end},
+      {"  of which MLX eval and metadata", fn {_, w, _} -> w["E"] && w["E"] - w["S"] end},
+      {"reply handed off → caller has it", fn {_, w, t1} -> t1 - w["W"] end},
+      {"total", fn {t0, _, t1} -> t1 - t0 end}
+    ]
+
+    for label <- stamps |> Enum.map(&elem(&1, 0)) |> Enum.uniq() do
+      rows = for {^label, seq, t0, t1} <- stamps, w = worker[seq], w["R"] && w["S"] && w["W"], do: {t0, w, t1}
+      IO.puts("\n#{label} (#{length(rows)} traced calls; medians, µs)\n")
+      row(["hop", "µs"])
+      row(["---", "---:"])
+
+      for {name, f} <- hops, xs = rows |> Enum.map(f) |> Enum.reject(&is_nil/1), xs != [] do
+        row([name, fmt(median(xs) / 1000)])
+      end
+    end
+  end
+
+  ## dispatch
+
+  defp dispatch do
+    small = moat(f32(4, 1.5), {4})
+    one = small.data.ref
+    conn = Moat.Client.conn(Moat.Worker)
+    n = 20_000
+    bin = Nx.tensor([1.5, 1.5, 1.5, 1.5], type: :f32, backend: Nx.BinaryBackend)
+    frame = fn -> Moat.Protocol.request(0, conn.generation, :add, [123], [1, 2], %{type: {:f, 32}}) end
+
+    parts = [
+      {"`Moat.Client.new_id/0`", fn -> Moat.Client.new_id() end},
+      {"`Moat.Finalizer.new/2` (and the token's destructor, at GC)", fn -> Moat.Finalizer.new(conn.releaser, 1) end},
+      {"`Moat.Client.ref/2` (Finalizer.new and the checks around it)",
+       fn -> Moat.Client.ref(conn, Moat.Client.new_id()) end},
+      {"`Moat.Client.ids!/3` of two handles", fn -> Moat.Client.ids!(conn, [one, one], :add) end},
+      {"`Moat.Protocol.request/7`: encoding an add's frame", frame},
+      {"`Port.command/2` of a `:sync` cast (seq 0: no reply)", fn -> Moat.Client.cast(conn, :sync, [], [], nil) end},
+      {"all of a raw add: new_id, ids!, ref, cast",
+       fn ->
+         id = Moat.Client.new_id()
+         Moat.Client.cast(conn, :add, [id], Moat.Client.ids!(conn, [one, one], :add), %{type: {:f, 32}})
+         Moat.Client.ref(conn, id)
+       end},
+      {"`Nx.add` on Moat.Backend", fn -> Nx.add(small, small) end},
+      {"`Nx.add` on Nx.BinaryBackend", fn -> Nx.add(bin, bin) end}
+    ]
+
+    row(["part (#{n} in a row, median of 5)", "µs each"])
+    row(["---", "---:"])
+
+    for {label, f} <- parts do
+      each = median(for _ <- 1..5, do: time_us(fn -> for _ <- 1..n, do: f.() end) / n)
+      {:ok, _, _} = Moat.Client.call(conn, :sync, [], nil)
+      :erlang.garbage_collect()
+      row([label, fmt(each)])
+    end
+  end
+
+  ## ab
+
+  defp ab(before, after_) do
+    {:ok, _} = Moat.Worker.start_link(name: :profile_a, worker_path: before)
+    {:ok, _} = Moat.Worker.start_link(name: :profile_b, worker_path: after_)
+    {pa, a} = calls(:profile_a)
+    {pb, b} = calls(:profile_b)
+    n = String.to_integer(System.get_env("PROFILE_N", "3000"))
+    IO.puts("A = #{before}, B = #{after_}\n")
+    row(["call", "wall µs A", "B", "worker CPU µs/call A", "B", "worker context switches/call A", "B"])
+    row(["---", "---:", "---:", "---:", "---:", "---:", "---:"])
+
+    for {{k, fa}, {k, fb}} <- Enum.zip(a, b) do
+      for _ <- 1..200, do: {fa.(), fb.()}
+      costs = for r <- 1..6, do: if(rem(r, 2) == 0, do: {:a, cost(pa, n, fa)}, else: {:b, cost(pb, n, fb)})
+      walls = for i <- 1..n, do: paired(rem(i, 2) == 0, fa, fb)
+      {xs, ys} = Enum.unzip(walls)
+      m = fn side, i -> fmt(median(for {^side, c} <- costs, do: elem(c, i))) end
+      row([k, fmt(median(xs)), fmt(median(ys)), m.(:a, 0), m.(:b, 0), m.(:a, 1), m.(:b, 1)])
+    end
+  end
+
+  # Alternates which of the two runs first.
+  defp paired(true, fa, fb), do: {time_us(fa), time_us(fb)}
+
+  defp paired(false, fa, fb) do
+    y = time_us(fb)
+    {time_us(fa), y}
+  end
+
+  defp calls(worker) do
+    conn = Moat.Client.conn(worker)
+    small = moat(f32(4, 1.5), {4}, worker)
+    evaluated = Nx.add(small, small)
+    Nx.to_binary(evaluated)
+
+    {conn.info.os_pid,
+     [
+       {"`:sync`", fn -> {:ok, _, _} = Moat.Client.call(conn, :sync, [], nil) end},
+       {"readback f32[4]", fn -> Nx.to_binary(evaluated) end},
+       {"add + readback", fn -> small |> Nx.add(small) |> Nx.to_binary() end},
+       {"sum + `Nx.to_number`", fn -> small |> Nx.sum() |> Nx.to_number() end}
+     ]}
+  end
+
+  # Per call: the worker's CPU µs (schedstat) and context switches, summed
+  # over its threads.
+  defp cost(os_pid, n, fun) do
+    {c0, s0} = snap(os_pid)
+    for _ <- 1..n, do: fun.()
+    {c1, s1} = snap(os_pid)
+    {(c1 - c0) / n / 1000, (s1 - s0) / n}
+  end
+
+  defp snap(os_pid) do
+    for tid <- File.ls!("/proc/#{os_pid}/task"), reduce: {0, 0} do
+      {cpu, switches} ->
+        [run | _] = String.split(File.read!("/proc/#{os_pid}/task/#{tid}/schedstat"))
+        status = File.read!("/proc/#{os_pid}/task/#{tid}/status")
+        counts = for [_, n] <- Regex.scan(~r/ctxt_switches:\s+(\d+)/, status), do: String.to_integer(n)
+        {cpu + String.to_integer(run), switches + Enum.sum(counts)}
+    end
+  end
+end
+
+Profile.main(System.argv())

@@ -61,6 +61,11 @@ defmodule Mix.Tasks.Compile.MoatPort do
 
   @impl true
   def run(_args) do
+    # A prebuilt worker (bin/gpu, on a machine without cargo) is used as is.
+    if System.get_env("MOAT_WORKER"), do: {:noop, []}, else: build()
+  end
+
+  defp build do
     root = Path.dirname(__ENV__.file)
     built = Path.join(root, "target/release/moat_port")
     dest = Path.join(Mix.Project.app_path(), "priv/moat_port")

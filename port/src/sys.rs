@@ -236,6 +236,28 @@ pub fn os_pid() -> u32 {
     std::process::id()
 }
 
+/// The exit status of a worker whose GPU context was lost (a CUDA fault).
+pub const EXIT_GPU_LOST: i32 = 75;
+
+/// The CPU time (user and system) of every thread of this process, in µs.
+pub fn cpu_time_us() -> u64 {
+    // SAFETY: getrusage writes into the zeroed struct it is given.
+    let usage = unsafe {
+        let mut usage: libc::rusage = std::mem::zeroed();
+        libc::getrusage(libc::RUSAGE_SELF, &mut usage);
+        usage
+    };
+    let us = |t: libc::timeval| (t.tv_sec.max(0) as u64) * 1_000_000 + t.tv_usec.max(0) as u64;
+    us(usage.ru_utime) + us(usage.ru_stime)
+}
+
+/// The machine's RAM in bytes (0 if the system does not say).
+pub fn physical_memory() -> u64 {
+    // SAFETY: sysconf reads system constants; no pointers.
+    let (pages, size) = unsafe { (libc::sysconf(libc::_SC_PHYS_PAGES), libc::sysconf(libc::_SC_PAGESIZE)) };
+    (pages.max(0) as u64).saturating_mul(size.max(0) as u64)
+}
+
 /// The ways MLX takes a process down, reproduced on purpose. Only test builds
 /// (feature `fault-injection`) have them.
 #[cfg(feature = "fault-injection")]

@@ -72,9 +72,11 @@ defmodule Moat.BackendConversionTest do
   end
 
   test "the device is checked against the worker's devices and carried per tensor" do
-    t = Nx.tensor([1.0, 2.0], backend: {Moat.Backend, device: :cpu})
-    assert %Moat.Backend{device: :cpu} = t.data
-    assert %Moat.Backend{device: :cpu} = Nx.add(t, t).data
+    device = Moat.Worker.info().device
+    t = Nx.tensor([1.0, 2.0], backend: {Moat.Backend, device: device})
+    assert %Moat.Backend{device: ^device} = t.data
+    assert %Moat.Backend{device: ^device} = Nx.add(t, t).data
+    assert %Moat.Backend{device: ^device} = Nx.tensor([1.0], backend: Moat.Backend).data
 
     unless :gpu in Moat.Worker.info().devices do
       assert_raise ArgumentError, ~r/device :gpu is not available on worker Moat.Worker/, fn ->

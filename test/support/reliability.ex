@@ -14,7 +14,7 @@ defmodule Moat.Reliability do
   use; cargo makes that a no-op when it is up to date.
   """
   def fault_worker_path do
-    case :persistent_term.get({__MODULE__, :fault_worker}, nil) do
+    case :persistent_term.get({__MODULE__, :fault_worker}, System.get_env("MOAT_FAULT_WORKER")) do
       nil ->
         args = ~w(build --release --quiet -p moat_port --features fault-injection --target-dir target/fault)
 
@@ -46,6 +46,7 @@ defmodule Moat.Reliability do
       case kind do
         {:exit, code} -> %{kind: :exit, code: code}
         {:sleep, ms} -> %{kind: :sleep, ms: ms}
+        {:spin, ms} -> %{kind: :spin, ms: ms}
         kind -> %{kind: kind}
       end
 

@@ -44,8 +44,6 @@ data = fn shape, type ->
   t |> Nx.reshape(shape) |> Nx.as_type(type)
 end
 
-results = %{}
-
 # The TF32 worker: f32 products on TF32 tensor cores (Moat's default is full f32).
 {:ok, _} = Moat.Worker.start_link(name: :bench_tf32, tf32: true)
 
@@ -115,15 +113,27 @@ results =
 # Dispatch: a chain of small adds, evaluated once.
 small = Nx.tensor([1.0, 2.0, 3.0, 4.0], backend: backend)
 
-chain = fn n ->
+chain = fn small, n ->
   Enum.reduce(1..n, small, fn _, acc -> Nx.add(acc, small) end) |> Nx.to_binary()
 end
 
-chain.(1000)
-us = (samples(5, fn -> chain.(10_000) end) |> median()) / 10_000
+chain.(small, 1000)
+us = (samples(5, fn -> chain.(small, 10_000) end) |> median()) / 10_000
 sync = samples(2000, fn -> small |> Nx.add(small) |> Nx.to_binary() end) |> median()
 
 results = results |> Map.put("dispatch_us", us) |> Map.put("roundtrip_us", sync)
+
+# The same with MLX's CUDA graphs off (MLX_USE_CUDA_GRAPHS=0, which the
+# worker inherits from the VM's environment).
+System.put_env("MLX_USE_CUDA_GRAPHS", "0")
+{:ok, _} = Moat.Worker.start_link(name: :bench_no_graphs)
+System.delete_env("MLX_USE_CUDA_GRAPHS")
+small = Nx.tensor([1.0, 2.0, 3.0, 4.0], backend: {Moat.Backend, worker: :bench_no_graphs})
+chain.(small, 1000)
+us = (samples(5, fn -> chain.(small, 10_000) end) |> median()) / 10_000
+sync = samples(2000, fn -> small |> Nx.add(small) |> Nx.to_binary() end) |> median()
+results = results |> Map.put("dispatch_nographs_us", us) |> Map.put("roundtrip_nographs_us", sync)
+GenServer.stop(:bench_no_graphs)
 
 rows = [
   {"matmul bf16 8192³ (TFLOP/s)", "matmul_bf16"},
@@ -135,7 +145,9 @@ rows = [
   {"from_binary 1 GiB + first GPU op (GB/s)", "from_binary_gbps"},
   {"to_binary 1 GiB (GB/s)", "to_binary_gbps"},
   {"op dispatch, chained small adds (µs/op)", "dispatch_us"},
-  {"round trip: small add + to_binary (µs)", "roundtrip_us"}
+  {"round trip: small add + to_binary (µs)", "roundtrip_us"},
+  {"op dispatch, MLX's CUDA graphs off (µs/op)", "dispatch_nographs_us"},
+  {"round trip, MLX's CUDA graphs off (µs)", "roundtrip_nographs_us"}
 ]
 
 transfer = if Moat.Client.conn(Moat.Worker).shared, do: "shared memory", else: "the pipe"

@@ -134,11 +134,19 @@ fn main() {
     if opts.progress_ms > 0 {
         let replies = replies.clone();
         let every = std::time::Duration::from_millis(opts.progress_ms);
+        let gpu = (device == Some(Device::Gpu)).then(sys::GpuLoad::open).flatten();
         thread::Builder::new()
             .name("progress".into())
-            .spawn(move || loop {
-                thread::sleep(every);
-                replies.send(Outgoing::Frame(protocol::progress(sys::cpu_time_us())));
+            .spawn(move || {
+                // Work done so far: CPU time, plus the GPU's busy time.
+                let mut gpu_us = 0;
+                loop {
+                    thread::sleep(every);
+                    if let Some(percent) = gpu.as_ref().and_then(sys::GpuLoad::utilization) {
+                        gpu_us += every.as_micros() as u64 * percent / 100;
+                    }
+                    replies.send(Outgoing::Frame(protocol::progress(sys::cpu_time_us() + gpu_us)));
+                }
             })
             .expect("spawn progress");
     }

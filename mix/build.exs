@@ -227,6 +227,11 @@ defmodule Mix.Tasks.Compile.MoatPort do
   # `mix compile --warnings-as-errors`.
   @impl true
   def run(args) do
+    # A prebuilt worker (bin/gpu, on a machine without cargo) is used as is.
+    if System.get_env("MOAT_WORKER"), do: {:noop, []}, else: build(args)
+  end
+
+  defp build(args) do
     {opts, _, _} = OptionParser.parse(args, switches: [warnings_as_errors: :boolean])
 
     case Moat.Build.build_worker(Path.join(Mix.Project.app_path(), "priv")) do

@@ -63,6 +63,10 @@ fn main() {
             build.file(path);
         }
     }
+    // The fault-injection build's shim has a device fault (shim/fault.cpp).
+    if env::var_os("CARGO_FEATURE_FAULT_INJECTION").is_some() {
+        build.define("MOAT_FAULT_INJECTION", None);
+    }
     build.compile("moat_shim");
 
     let mut libs = mlx_libs(&mlx);

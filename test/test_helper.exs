@@ -3,4 +3,20 @@
 # (a 2 GiB round trip) needs about 8 GiB free; it is skipped where there is
 # less.
 large = if Moat.Reliability.mem_available() > 10 * 1024 ** 3, do: [], else: [:large]
-ExUnit.start(exclude: [:soak, :hex_tarball] ++ large)
+
+# :gpu runs where the default worker computes on a GPU (MOAT_MLX=cuda13 on
+# an NVIDIA machine: bin/gpu).
+gpu =
+  case Moat.Worker.info() do
+    %{device: :gpu} ->
+      []
+
+    info ->
+      IO.puts(
+        "Skipping the :gpu tests: this worker's MLX #{info.mlx} has #{inspect(info.devices)} (bin/gpu runs them on a GPU)"
+      )
+
+      [:gpu]
+  end
+
+ExUnit.start(exclude: [:soak, :hex_tarball] ++ large ++ gpu)

@@ -43,7 +43,11 @@ defmodule Moat.Backend do
 
   ## Options
 
-    * `:device` - `:cpu` (the default, or `config :moat, device:`, and the only device on Linux CPU builds)
+    * `:device` - `:cpu` or `:gpu`; by default the device the worker runs on
+      (`Moat.Worker`'s `:device`: the best one it announces). A device the
+      worker does not run on raises `ArgumentError` naming the ones it has.
+      On `:gpu`, `{:f, 64}` raises `ArgumentError` (MLX's CUDA backend has no
+      float64); it is never narrowed silently.
     * `:worker` - the `Moat.Worker` to use (default `Moat.Worker`)
 
   `inspect/2` shows the backend and device on a first line, like Torchx;
@@ -262,9 +266,9 @@ defmodule Moat.Backend do
 
   @impl true
   def init(opts) do
-    opts = Keyword.validate!(opts, device: Moat.Config.get(:device), worker: Moat.Worker)
+    opts = Keyword.validate!(opts, device: nil, worker: Moat.Worker)
 
-    unless opts[:device] in [:cpu, :gpu] do
+    unless opts[:device] in [nil, :cpu, :gpu] do
       raise ArgumentError, "Moat.Backend: unknown device #{inspect(opts[:device])}, expected :cpu or :gpu"
     end
 
@@ -276,6 +280,7 @@ defmodule Moat.Backend do
   @impl true
   def from_binary(%T{shape: shape, type: type} = out, binary, opts) do
     device = device!(worker(opts), opts)
+    gpu_type!(type, device, :from_binary)
     {binary, dims, stored} = Types.to_storage(binary, Tuple.to_list(shape), type)
     ref = Moat.from_binary(binary, dims, stored, worker: worker(opts))
     wrap(out, ref, device)
@@ -920,19 +925,38 @@ defmodule Moat.Backend do
     %{out | data: %__MODULE__{ref: ref, device: device}}
   end
 
-  # The device must be one the worker announced in its handshake.
+  # The device must be the one the worker runs its ops on (see its hello).
   defp device!(worker, opts) do
-    device = Keyword.get_lazy(opts, :device, fn -> Moat.Config.get(:device) end)
-    devices = Client.conn(worker).info.devices
+    info = Client.conn(worker).info
+    # Workers older than the :device key ran every op on the CPU.
+    running = Map.get(info, :device, :cpu)
+    device = Keyword.get(opts, :device) || running
 
-    if device not in devices do
-      raise ArgumentError,
-            "Moat.Backend: device #{inspect(device)} is not available on worker #{inspect(worker)} " <>
-              "(it has #{inspect(devices)})"
+    cond do
+      device == running ->
+        device
+
+      device not in info.devices ->
+        raise ArgumentError,
+              "Moat.Backend: device #{inspect(device)} is not available on worker #{inspect(worker)} " <>
+                "(its MLX #{info.mlx} has #{inspect(info.devices)})"
+
+      true ->
+        raise ArgumentError,
+              "Moat.Backend: worker #{inspect(worker)} runs its ops on #{inspect(running)}, not " <>
+                "#{inspect(device)}; start one with {Moat.Worker, name: ..., device: #{inspect(device)}} " <>
+                "and pass it as worker:"
     end
-
-    device
   end
+
+  # MLX's CUDA backend has no float64: refuse it rather than narrow it.
+  defp gpu_type!({:f, 64}, :gpu, op) do
+    raise ArgumentError,
+          "Moat.Backend: #{op} with type {:f, 64} on the GPU: MLX's CUDA backend has no float64 " <>
+            "(use {:f, 32}, or a worker with device: :cpu)"
+  end
+
+  defp gpu_type!(_type, _device, _op), do: :ok
 
   defp ref(%T{data: %__MODULE__{ref: ref}}), do: ref
 
@@ -979,6 +1003,7 @@ defmodule Moat.Backend do
     if Enum.all?(inputs, &match?(%T{data: %__MODULE__{ref: %Ref{worker: ^worker}}}, &1)) and
          not Recorder.active?() do
       Moat.check_type!(out.type)
+      gpu_type!(out.type, device, name)
       conn = Client.conn(worker)
       ids = Client.ids!(conn, Enum.map(inputs, &ref/1), name)
       id = Client.new_id()
@@ -1035,6 +1060,7 @@ defmodule Moat.Backend do
     outs = Tuple.to_list(outs)
     Enum.each(outs, &Moat.check_type!(&1.type))
     {worker, device} = home(inputs)
+    Enum.each(outs, &gpu_type!(&1.type, device, name))
     moved = Enum.map(inputs, &to_worker(&1, worker))
     conn = Client.conn(worker)
     ids = Client.ids!(conn, Enum.map(moved, &ref/1), name)
@@ -1057,7 +1083,7 @@ defmodule Moat.Backend do
   defp home(inputs) do
     case Enum.find(inputs, &match?(%T{data: %__MODULE__{}}, &1)) do
       %T{data: %__MODULE__{ref: ref, device: device}} -> {ref.worker, device}
-      nil -> {Moat.Worker, :cpu}
+      nil -> {Moat.Worker, device!(Moat.Worker, [])}
     end
   end
 
@@ -1073,6 +1099,7 @@ defmodule Moat.Backend do
 
   defp sent_create(out, name, attrs, opts) do
     device = device!(worker(opts), opts)
+    gpu_type!(out.type, device, name)
     conn = Client.conn(worker(opts))
     id = Client.new_id()
     ref = Client.ref(conn, id)

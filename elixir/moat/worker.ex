@@ -46,6 +46,25 @@ defmodule Moat.Worker do
     * `:shared_memory_threshold` - the smallest tensor, in bytes, that goes
       through shared memory (1 MiB); smaller ones are cheaper through the
       pipe
+    * `:device` - `:cpu` or `:gpu`: the device every op of this worker runs
+      on (default from `config :moat, :device`, else the best one the worker
+      announces: the GPU where its MLX is the CUDA build and sees one). A
+      device the worker does not have fails the start with an error naming
+      the ones it has. `Moat.Worker.info/1` lists them under `:device_info`.
+    * `:gpu` - the index of the GPU to pin this worker to (sets
+      `CUDA_VISIBLE_DEVICES` for its process), so that a supervision tree
+      can run one worker per GPU: `{Moat.Worker, name: :gpu1, gpu: 1}`
+    * `:tf32` - whether f32 matrix products on the GPU may use TF32 tensor
+      cores: inputs rounded to a 10-bit mantissa, about 7× faster on an
+      H200 (default `false`, from `config :moat, :tf32`: full f32, as on the
+      CPU; MLX's own default is TF32). Sets `MLX_ENABLE_TF32` for the worker
+    * `:watchdog` - milliseconds a worker may go without progress while
+      calls wait on it before it counts as hung, is killed by its OS pid and
+      restarted (30 000; `false` turns it off; default from
+      `config :moat, :watchdog`). Progress is what the worker reports: replies,
+      acknowledgements, and the CPU time it uses, which a long computation
+      keeps growing and a hung MLX call does not. Callers then get a
+      `Moat.Error` saying the worker hung.
     * `:hello_timeout` - how long to wait for the worker's handshake (15 s)
     * `:kernel_cache` - where MLX keeps the fused kernels it compiles for
       `Moat.Compiler`'s `fuse: true` (default: `moat-kernels` in the user's
@@ -61,6 +80,10 @@ defmodule Moat.Worker do
       once, so that the tensors they dropped are released (1000; `false`
       turns it off). See `Moat`, "Memory".
   """
+
+  # CPU time per progress report that counts as progress (µs): more than
+  # the reporting itself takes.
+  @min_cpu_us 2_000
 
   use GenServer
   require Logger
@@ -128,6 +151,10 @@ defmodule Moat.Worker do
       "#{setting.(:shared_memory) != false}"
     ]
 
+    device = setting.(:device)
+    args = if device, do: args ++ ["--device", device_arg!(device)], else: args
+    watchdog = watchdog!(setting.(:watchdog))
+    args = if watchdog, do: args ++ ["--progress-ms", "#{tick(watchdog)}"], else: args
     path = setting.(:worker_path) || worker_path()
 
     port =
@@ -137,10 +164,12 @@ defmodule Moat.Worker do
         :exit_status,
         :nouse_stdio,
         {:args, args},
-        {:env, kernel_cache_env(setting.(:kernel_cache, nil))}
+        {:env,
+         kernel_cache_env(setting.(:kernel_cache)) ++ gpu_env(Keyword.get(opts, :gpu)) ++ tf32_env(setting.(:tf32))}
       ])
 
-    with {:ok, info} <- await_hello(port, setting.(:hello_timeout)) do
+    with {:ok, info} <- await_hello(port, setting.(:hello_timeout)),
+         {:ok, info} <- check_device(port, device, info) do
       warn_without_finalizer()
       {:ok, releaser} = Releaser.start_link(gc_nudge: setting.(:gc_nudge))
 
@@ -169,7 +198,8 @@ defmodule Moat.Worker do
         os_pid: info.os_pid
       })
 
-      {:ok, %{conn: conn, waiters: [], down: nil}}
+      if watchdog, do: Process.send_after(self(), :watchdog, tick(watchdog))
+      {:ok, %{conn: conn, waiters: [], down: nil, hung: nil, watchdog: watchdog, progress: {0, now_ms()}}}
     end
   end
 
@@ -199,6 +229,44 @@ defmodule Moat.Worker do
   defp worker_path do
     System.get_env("MOAT_WORKER") || Application.app_dir(:moat, "priv/moat_port")
   end
+
+  defp device_arg!(device) when device in [:cpu, :gpu], do: Atom.to_string(device)
+
+  defp device_arg!(other),
+    do: raise(ArgumentError, "Moat.Worker: unknown device #{inspect(other)}, expected :cpu or :gpu")
+
+  defp watchdog!(off) when off in [false, nil], do: nil
+  defp watchdog!(ms) when is_integer(ms) and ms > 0, do: ms
+
+  defp watchdog!(other),
+    do: raise(ArgumentError, "Moat.Worker: :watchdog must be milliseconds > 0 or false, got #{inspect(other)}")
+
+  # Progress reports and checks come four times per watchdog period.
+  defp tick(limit), do: max(div(limit, 4), 10)
+  defp now_ms, do: System.monotonic_time(:millisecond)
+
+  defp tf32_env(on) when is_boolean(on), do: [{~c"MLX_ENABLE_TF32", if(on, do: ~c"1", else: ~c"0")}]
+  defp tf32_env(other), do: raise(ArgumentError, "Moat.Worker: :tf32 must be a boolean, got #{inspect(other)}")
+
+  defp gpu_env(nil), do: []
+  defp gpu_env(index) when is_integer(index) and index >= 0, do: [{~c"CUDA_VISIBLE_DEVICES", ~c"#{index}"}]
+  defp gpu_env(other), do: raise(ArgumentError, "Moat.Worker: :gpu must be a GPU index >= 0, got #{inspect(other)}")
+
+  # A worker names in its hello the device it runs ops on, or nil when the
+  # one asked for is not there.
+  defp check_device(port, wanted, %{device: nil} = info) do
+    Port.close(port)
+
+    {:stop,
+     {:no_device,
+      "Moat.Worker: device #{inspect(wanted)} is not available: this worker's MLX #{info.mlx} has " <>
+        "#{inspect(info.devices)}#{install_hint(wanted)}"}}
+  end
+
+  defp check_device(_port, _wanted, info), do: {:ok, info}
+
+  defp install_hint(:gpu), do: " (MOAT_MLX=cuda13 bin/setup builds the worker on MLX's CUDA backend)"
+  defp install_hint(_), do: ""
 
   defp worker_log_level(:warning), do: "warn"
   defp worker_log_level(level), do: to_string(level)
@@ -233,8 +301,13 @@ defmodule Moat.Worker do
   @impl true
   def handle_info({port, {:data, frame}}, %{conn: %{port: port}} = state) do
     case Protocol.decode(frame) do
+      {:ok, {:progress, cpu}, _} when is_integer(cpu) ->
+        {last, _at} = state.progress
+        {:noreply, if(cpu >= last + @min_cpu_us, do: %{state | progress: {cpu, now_ms()}}, else: state)}
+
       {:ok, header, payload} ->
-        {:noreply, route(header, payload, state)}
+        {last, _at} = state.progress
+        {:noreply, route(header, payload, %{state | progress: {last, now_ms()}})}
 
       {:error, why} ->
         Logger.error("Moat worker sent a bad frame: #{why}")
@@ -242,8 +315,29 @@ defmodule Moat.Worker do
     end
   end
 
+  def handle_info(:watchdog, %{watchdog: limit, conn: conn} = state) when is_integer(limit) do
+    Process.send_after(self(), :watchdog, tick(limit))
+    {cpu, at} = state.progress
+    waiting = :ets.info(conn.table, :size)
+
+    cond do
+      # Idle workers make no progress and need none: the clock starts with work.
+      waiting == 0 ->
+        {:noreply, %{state | progress: {cpu, now_ms()}}}
+
+      state.hung == nil and now_ms() - at > limit ->
+        hung = "hung: no progress for #{now_ms() - at} ms with #{waiting} call(s) waiting; killed by the watchdog"
+        Logger.error("Moat worker #{inspect(conn.name)} (generation #{conn.generation}) #{hung}")
+        System.cmd("kill", ["-KILL", "#{conn.info.os_pid}"])
+        {:noreply, %{state | hung: hung}}
+
+      true ->
+        {:noreply, state}
+    end
+  end
+
   def handle_info({port, {:exit_status, status}}, %{conn: %{port: port}} = state) do
-    how = describe_exit(status)
+    how = state.hung || describe_exit(status)
     Logger.error("Moat worker #{inspect(state.conn.name)} (generation #{state.conn.generation}) died: #{how}")
     {:stop, {:shutdown, {:worker_died, how}}, %{state | down: how}}
   end
@@ -362,6 +456,7 @@ defmodule Moat.Worker do
   @doc false
   def describe_exit(status) when status > 128, do: "killed by signal #{status - 128}#{signal_name(status - 128)}"
   def describe_exit(101), do: "exited with status 101 (a panic; the worker's log has its message)"
+  def describe_exit(75), do: "exited with status 75 (a CUDA fault made its GPU context unusable)"
   def describe_exit(status), do: "exited with status #{status}"
 
   defp signal_name(n) do

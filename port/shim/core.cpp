@@ -1,7 +1,10 @@
 // Arrays, buffers, evaluation, devices and errors.
+#include <algorithm>
 #include <cstddef>
 #include <cstring>
 #include <memory>
+#include <string>
+#include <variant>
 
 #include "shim_core.hpp"
 
@@ -74,6 +77,40 @@ int moat_device_available(int device, int* out) {
 
 int moat_set_default_device(int device) {
   return guard([&] { mx::set_default_device(to_device(device)); });
+}
+
+int moat_device_count(int device, int* out) {
+  return guard([&] { *out = mx::device_count(to_device(device).type); });
+}
+
+int moat_device_info(int device, int index, char* name, size_t name_cap, uint64_t* memory,
+                     int* cc_major, int* cc_minor) {
+  return guard([&] {
+    const auto& info = mx::device_info(mx::Device(to_device(device).type, index));
+    auto text = [&](const char* key) {
+      auto it = info.find(key);
+      return it != info.end() && std::holds_alternative<std::string>(it->second)
+                 ? std::get<std::string>(it->second)
+                 : std::string();
+    };
+    auto number = [&](std::initializer_list<const char*> keys) {
+      for (auto key : keys) {
+        auto it = info.find(key);
+        if (it != info.end() && std::holds_alternative<size_t>(it->second)) return std::get<size_t>(it->second);
+      }
+      return size_t{0};
+    };
+    std::string n = text("device_name");
+    if (n.empty()) n = text("architecture");
+    if (name_cap > 0) {
+      size_t len = std::min(n.size(), name_cap - 1);
+      std::memcpy(name, n.data(), len);
+      name[len] = '\0';
+    }
+    *memory = number({"total_memory", "memory_size"});
+    *cc_major = static_cast<int>(number({"compute_capability_major"}));
+    *cc_minor = static_cast<int>(number({"compute_capability_minor"}));
+  });
 }
 
 int moat_buffer_alloc(size_t nbytes, moat_buffer** out, void** data) {

@@ -33,6 +33,12 @@ const char* moat_mlx_version(void);
 // Devices
 int moat_device_available(int device, int* out);
 int moat_set_default_device(int device);
+int moat_device_count(int device, int* out);
+// What MLX reports of device `index` of this kind: its name (NUL-terminated,
+// cut to name_cap bytes), total memory in bytes, and compute capability
+// (0.0 where the backend has none, as on the CPU).
+int moat_device_info(int device, int index, char* name, size_t name_cap, uint64_t* memory,
+                     int* cc_major, int* cc_minor);
 
 // Buffers from MLX's allocator, filled by the caller, then adopted by an array.
 int moat_buffer_alloc(size_t nbytes, moat_buffer** out, void** data);

@@ -15,6 +15,9 @@
 //! | `:panic` | a Rust panic (the process exits with status 101) |
 //! | `:exit` | exits with status `code` |
 //! | `:sleep` | blocks the session thread for `ms` ms (a long MLX call) |
+//! | `:hang` | blocks the session thread for good, using no CPU (a hung MLX call) |
+//! | `:spin` | keeps the session thread busy for `ms` ms (a long computation) |
+//! | `:device_write` | a GPU kernel writes through a wild pointer (a real CUDA fault) |
 
 use crate::sys::{self, crash};
 use crate::term::Term;
@@ -29,6 +32,9 @@ enum Fault {
     Panic,
     Exit(i32),
     Sleep(u64),
+    DeviceWrite,
+    Hang,
+    Spin(u64),
 }
 
 /// Runs the fault now, or arms it on a timer thread; `Ok` when the worker is
@@ -66,6 +72,9 @@ fn parse(attrs: &Term) -> Result<Fault, String> {
         Some("sigkill") => Ok(Fault::Kill),
         Some("panic") => Ok(Fault::Panic),
         Some("exit") => Ok(Fault::Exit(number("code")? as i32)),
+        Some("device_write") => Ok(Fault::DeviceWrite),
+        Some("hang") => Ok(Fault::Hang),
+        Some("spin") => Ok(Fault::Spin(number("ms")?.clamp(0, 600_000) as u64)),
         Some("sleep") => Ok(Fault::Sleep(number("ms")?.clamp(0, 600_000) as u64)),
         _ => Err(format!("unknown fault {attrs}")),
     }
@@ -80,6 +89,17 @@ fn fire(fault: Fault) -> Result<(), String> {
         Fault::Kill => crash::kill(),
         Fault::Panic => panic!("injected panic"),
         Fault::Exit(code) => sys::exit_now(code),
+        Fault::Hang => loop {
+            std::thread::park();
+        },
+        Fault::Spin(ms) => {
+            let end = std::time::Instant::now() + Duration::from_millis(ms);
+            while std::time::Instant::now() < end {
+                std::hint::spin_loop();
+            }
+            Ok(())
+        }
+        Fault::DeviceWrite => crate::mlx::fault_device_write().map_err(String::from),
         Fault::Sleep(ms) => {
             std::thread::sleep(Duration::from_millis(ms));
             Ok(())

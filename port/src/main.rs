@@ -5,7 +5,7 @@ use crossbeam_channel::bounded;
 use moat_port::checks::Checks;
 use moat_port::connection::{read_loop, Outgoing, ReaderConfig, Replies};
 use moat_port::frame::Limits;
-use moat_port::mlx::{self, Device};
+use moat_port::mlx::{self, Device, DeviceInfo};
 use moat_port::protocol;
 use moat_port::session::Session;
 use moat_port::shared;
@@ -20,7 +20,8 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 const USAGE: &str = "usage: moat_port [--generation N] [--log-level error|warn|info|debug|trace] \
                      [--chunk-bytes N] [--max-frame-bytes N] [--detect-non-finite true|false] \
-                     [--shared-memory true|false]\n       moat_port --list-ops";
+                     [--shared-memory true|false] [--device cpu|gpu] [--progress-ms N]
+       moat_port --list-ops";
 
 struct Options {
     generation: u64,
@@ -28,6 +29,10 @@ struct Options {
     log_level: log::LevelFilter,
     limits: Limits,
     shared_memory: bool,
+    /// The device every op runs on; `None`: the best one MLX has.
+    device: Option<Device>,
+    /// How often to report progress for the client's watchdog (0: never).
+    progress_ms: u64,
 }
 
 fn parse_args() -> Result<Options, String> {
@@ -37,6 +42,8 @@ fn parse_args() -> Result<Options, String> {
         log_level: log::LevelFilter::Warn,
         limits: Limits::default(),
         shared_memory: true,
+        device: None,
+        progress_ms: 0,
     };
     let mut args = std::env::args().skip(1);
     while let Some(flag) = args.next() {
@@ -60,6 +67,14 @@ fn parse_args() -> Result<Options, String> {
                 opts.shared_memory = value
                     .parse()
                     .map_err(|_| format!("{flag}: not true or false: {value}"))?
+            }
+            "--progress-ms" => opts.progress_ms = number()?,
+            "--device" => {
+                opts.device = Some(match value.as_str() {
+                    "cpu" => Device::Cpu,
+                    "gpu" => Device::Gpu,
+                    _ => return Err(format!("{flag}: not cpu or gpu: {value}")),
+                })
             }
             _ => return Err(format!("unknown option {flag}")),
         }
@@ -110,9 +125,39 @@ fn main() {
         })
         .expect("spawn writer");
 
+    // A device that is not there is named as nil in the hello: the client
+    // refuses the worker with an error naming the devices it has.
+    let devices = devices();
+    let best = devices[0].kind;
+    let device = match opts.device {
+        Some(d) if !devices.iter().any(|x| x.kind == d) => None,
+        Some(d) => Some(d),
+        None => Some(best),
+    };
+
     let offer = shared::offer(opts.shared_memory);
     let shared_memory = !offer.is_atom("nil");
-    replies.send(Outgoing::Frame(hello(&opts, offer)));
+    replies.send(Outgoing::Frame(hello(&opts, device, &devices, offer)));
+
+    if opts.progress_ms > 0 {
+        let replies = replies.clone();
+        let every = std::time::Duration::from_millis(opts.progress_ms);
+        let gpu = (device == Some(Device::Gpu)).then(sys::GpuLoad::open).flatten();
+        thread::Builder::new()
+            .name("progress".into())
+            .spawn(move || {
+                // Work done so far: CPU time, plus the GPU's busy time.
+                let mut gpu_us = 0;
+                loop {
+                    thread::sleep(every);
+                    if let Some(percent) = gpu.as_ref().and_then(sys::GpuLoad::utilization) {
+                        gpu_us += every.as_micros() as u64 * percent / 100;
+                    }
+                    replies.send(Outgoing::Frame(protocol::progress(sys::cpu_time_us() + gpu_us)));
+                }
+            })
+            .expect("spawn progress");
+    }
 
     let (in_tx, in_rx) = bounded(256);
     let config = ReaderConfig {
@@ -132,8 +177,9 @@ fn main() {
         })
         .expect("spawn reader");
 
-    if let Err(e) = Device::Cpu.make_default() {
-        log::error!("cannot select the CPU device: {e}");
+    let device = device.unwrap_or(Device::Cpu);
+    if let Err(e) = device.make_default() {
+        log::error!("cannot select the {} device: {e}", device.name());
     }
     Session::new(opts.generation, replies)
         .with_checks(opts.checks)
@@ -153,15 +199,47 @@ fn exit_on_panic() {
     }));
 }
 
-fn hello(opts: &Options, shared_memory: Term) -> Term {
-    let devices = [Device::Cpu, Device::Gpu]
-        .into_iter()
-        .filter(|d| d.available())
-        .map(|d| Term::atom(d.name()));
+/// Every device MLX can run on, GPUs first (a CPU is always there).
+fn devices() -> Vec<DeviceInfo> {
+    let gpus = (0..Device::Gpu.count()).filter_map(|i| Device::Gpu.info(i).ok());
+    let mut cpu = Device::Cpu.info(0).unwrap_or(DeviceInfo {
+        kind: Device::Cpu,
+        name: String::new(),
+        memory: 0,
+        compute_capability: (0, 0),
+    });
+    // MLX's CPU backend reports no memory size.
+    if cpu.memory == 0 {
+        cpu.memory = sys::physical_memory();
+    }
+    gpus.chain(std::iter::once(cpu)).collect()
+}
+
+fn device_term(d: &DeviceInfo) -> Term {
+    let (major, minor) = d.compute_capability;
+    let capability = if d.kind == Device::Gpu {
+        Term::tuple(vec![Term::int(major), Term::int(minor)])
+    } else {
+        Term::atom("nil")
+    };
+    Term::Map(vec![
+        (Term::atom("compute_capability"), capability),
+        (Term::atom("kind"), Term::atom(d.kind.name())),
+        (Term::atom("memory"), Term::int(d.memory)),
+        (Term::atom("name"), Term::Binary(d.name.clone().into_bytes())),
+    ])
+}
+
+fn hello(opts: &Options, device: Option<Device>, all: &[DeviceInfo], shared_memory: Term) -> Term {
+    let mut kinds: Vec<Device> = all.iter().map(|d| d.kind).collect();
+    kinds.dedup();
+    let devices = kinds.into_iter().map(|d| Term::atom(d.name()));
     let blas = if cfg!(moat_openblas) { "openblas" } else { "reference" };
     protocol::hello(vec![
         ("blas", Term::atom(blas)),
         ("chunk_bytes", Term::int(opts.limits.chunk_bytes as u64)),
+        ("device", Term::atom(device.map_or("nil", Device::name))),
+        ("device_info", Term::List(all.iter().map(device_term).collect())),
         ("devices", Term::List(devices.collect())),
         ("generation", Term::int(opts.generation)),
         ("max_frame_bytes", Term::int(opts.limits.max_frame_bytes as u64)),

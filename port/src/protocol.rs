@@ -123,6 +123,13 @@ pub fn ok(seq: u64, result: Term) -> Term {
     Term::tuple(vec![Term::atom("ok"), Term::int(seq), result])
 }
 
+/// The work the worker has done so far (µs of CPU time, plus the GPU's busy
+/// time on a GPU worker): the client's watchdog tells a long computation (it
+/// grows) from a hung worker (it does not).
+pub fn progress(work_us: u64) -> Term {
+    Term::tuple(vec![Term::atom("progress"), Term::int(work_us)])
+}
+
 pub fn memory_pressure(active: usize) -> Term {
     Term::tuple(vec![Term::atom("memory_pressure"), Term::int(active as u64)])
 }

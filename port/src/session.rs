@@ -224,7 +224,7 @@ impl Session {
         }
         let outputs = match self.registry.inputs(&req.ins, &req.op) {
             Err(failure) => Err(failure),
-            Ok(inputs) => builder(&inputs, &req.attrs)
+            Ok(inputs) => ops::build(builder, &inputs, &req.attrs)
                 .and_then(|arrays| self.checks.outputs(&arrays).map(|()| arrays))
                 .map_err(|m| Failure::new(&req.op, m)),
         };

@@ -8,6 +8,7 @@ use std::ffi::CStr;
 use std::fs::File;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, RawFd};
+use std::os::raw::{c_int, c_void};
 use std::ptr;
 
 /// Takes ownership of a file descriptor the parent left open for us.
@@ -237,6 +238,90 @@ pub fn exit_now(code: i32) -> ! {
 
 pub fn os_pid() -> u32 {
     std::process::id()
+}
+
+/// The exit status of a worker whose GPU context was lost (a CUDA fault).
+pub const EXIT_GPU_LOST: i32 = 75;
+
+/// The CPU time (user and system) of every thread of this process, in µs.
+pub fn cpu_time_us() -> u64 {
+    // SAFETY: getrusage writes into the zeroed struct it is given.
+    let usage = unsafe {
+        let mut usage: libc::rusage = std::mem::zeroed();
+        libc::getrusage(libc::RUSAGE_SELF, &mut usage);
+        usage
+    };
+    let us = |t: libc::timeval| (t.tv_sec.max(0) as u64) * 1_000_000 + t.tv_usec.max(0) as u64;
+    us(usage.ru_utime) + us(usage.ru_stime)
+}
+
+/// The utilization of one GPU as NVML samples it: a long GPU computation
+/// leaves the CPU idle, so the watchdog counts the GPU's busy time too.
+pub struct GpuLoad {
+    get: unsafe extern "C" fn(*mut c_void, *mut NvmlUtilization) -> c_int,
+    device: *mut c_void,
+}
+
+#[repr(C)]
+struct NvmlUtilization {
+    gpu: u32,
+    memory: u32,
+}
+
+// SAFETY: NVML handles may be used from any thread (NVML is thread-safe).
+unsafe impl Send for GpuLoad {}
+
+impl GpuLoad {
+    /// The GPU this process sees as device 0 (`CUDA_VISIBLE_DEVICES`, when it
+    /// names one index; NVML counts in the same PCI order for identical GPUs).
+    /// None without NVML.
+    pub fn open() -> Option<GpuLoad> {
+        let index = std::env::var("CUDA_VISIBLE_DEVICES")
+            .ok()
+            .and_then(|v| v.trim().parse::<u32>().ok())
+            .unwrap_or(0);
+        // SAFETY: dlopen and dlsym take NUL-terminated names; the symbols
+        // have the signatures NVML's header declares, and the library stays
+        // loaded (never dlclosed) while the pointers are used.
+        unsafe {
+            let lib = libc::dlopen(c"libnvidia-ml.so.1".as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL);
+            if lib.is_null() {
+                return None;
+            }
+            let init = libc::dlsym(lib, c"nvmlInit_v2".as_ptr());
+            let by_index = libc::dlsym(lib, c"nvmlDeviceGetHandleByIndex_v2".as_ptr());
+            let get = libc::dlsym(lib, c"nvmlDeviceGetUtilizationRates".as_ptr());
+            if init.is_null() || by_index.is_null() || get.is_null() {
+                return None;
+            }
+            let init: unsafe extern "C" fn() -> c_int = std::mem::transmute(init);
+            let by_index: unsafe extern "C" fn(u32, *mut *mut c_void) -> c_int = std::mem::transmute(by_index);
+            let mut device = std::ptr::null_mut();
+            if init() != 0 || by_index(index, &mut device) != 0 {
+                return None;
+            }
+            Some(GpuLoad {
+                get: std::mem::transmute::<*mut c_void, unsafe extern "C" fn(*mut c_void, *mut NvmlUtilization) -> c_int>(
+                    get,
+                ),
+                device,
+            })
+        }
+    }
+
+    /// The percentage of NVML's last sample period in which a kernel ran.
+    pub fn utilization(&self) -> Option<u64> {
+        let mut u = NvmlUtilization { gpu: 0, memory: 0 };
+        // SAFETY: `device` is NVML's handle; `u` is a valid out-pointer.
+        (unsafe { (self.get)(self.device, &mut u) } == 0).then_some(u64::from(u.gpu.min(100)))
+    }
+}
+
+/// The machine's RAM in bytes (0 if the system does not say).
+pub fn physical_memory() -> u64 {
+    // SAFETY: sysconf reads system constants; no pointers.
+    let (pages, size) = unsafe { (libc::sysconf(libc::_SC_PHYS_PAGES), libc::sysconf(libc::_SC_PAGESIZE)) };
+    (pages.max(0) as u64).saturating_mul(size.max(0) as u64)
 }
 
 /// The ways MLX takes a process down, reproduced on purpose. Only test builds

@@ -11,10 +11,11 @@ defmodule Moat.Reliability do
   @doc """
   The worker built with the `fault-injection` feature, into its own target
   dir (the production binary never has the `:fault` op). Builds it on first
-  use; cargo makes that a no-op when it is up to date.
+  use; cargo makes that a no-op when it is up to date. `MOAT_FAULT_WORKER`
+  names a prebuilt one instead (bin/gpu, where there is no cargo).
   """
   def fault_worker_path do
-    case :persistent_term.get({__MODULE__, :fault_worker}, nil) do
+    case :persistent_term.get({__MODULE__, :fault_worker}, System.get_env("MOAT_FAULT_WORKER")) do
       nil ->
         args = ~w(build --release --quiet -p moat_port --features fault-injection --target-dir target/fault)
 
@@ -37,7 +38,8 @@ defmodule Moat.Reliability do
 
   @doc """
   Asks the fault-injection worker to crash: `kind` is `:sigsegv`, `:sigfpe`,
-  `:sigabrt`, `:sigkill`, `:panic`, `{:exit, code}` or `{:sleep, ms}`;
+  `:sigabrt`, `:sigkill`, `:panic`, `{:exit, code}`, `{:sleep, ms}`,
+  `{:spin, ms}`, `:hang` or `:device_write` (a CUDA fault; GPU only);
   `delay_ms` fires it from another thread, in the middle of whatever the
   worker is doing then.
   """
@@ -46,6 +48,7 @@ defmodule Moat.Reliability do
       case kind do
         {:exit, code} -> %{kind: :exit, code: code}
         {:sleep, ms} -> %{kind: :sleep, ms: ms}
+        {:spin, ms} -> %{kind: :spin, ms: ms}
         kind -> %{kind: kind}
       end
 

@@ -36,6 +36,18 @@ extern "C" {
 
     pub fn moat_device_available(device: c_int, out: *mut c_int) -> c_int;
     pub fn moat_set_default_device(device: c_int) -> c_int;
+    #[cfg(feature = "fault-injection")]
+    pub fn moat_fault_device_write() -> c_int;
+    pub fn moat_device_count(device: c_int, out: *mut c_int) -> c_int;
+    pub fn moat_device_info(
+        device: c_int,
+        index: c_int,
+        name: *mut c_char,
+        name_cap: usize,
+        memory: *mut u64,
+        cc_major: *mut c_int,
+        cc_minor: *mut c_int,
+    ) -> c_int;
 
     pub fn moat_buffer_alloc(nbytes: usize, out: *mut *mut moat_buffer, data: *mut *mut c_void) -> c_int;
     pub fn moat_buffer_free(buf: *mut moat_buffer);

@@ -57,7 +57,37 @@ fn check(code: c_int) -> Result<()> {
     // SAFETY: the shim returns a pointer to a thread-local NUL-terminated
     // string that stays valid until the next failing call on this thread.
     let message = unsafe { CStr::from_ptr(ffi::moat_last_error()) };
-    Err(Error::new(message.to_string_lossy().into_owned()))
+    let message = message.to_string_lossy().into_owned();
+    if context_lost(&message) {
+        // Every later CUDA call in this process would fail too: end it, so
+        // that the supervisor starts a worker with a fresh context.
+        log::error!("the GPU context is lost ({message}); exiting");
+        crate::sys::exit_now(crate::sys::EXIT_GPU_LOST);
+    }
+    Err(Error::new(message))
+}
+
+/// CUDA's sticky errors: after one, the process's context is unusable.
+fn context_lost(message: &str) -> bool {
+    const STICKY: &[&str] = &[
+        "illegal memory access",
+        "illegal address",
+        "misaligned address",
+        "illegal instruction",
+        "unspecified launch failure",
+        "device-side assert",
+        "CUDA_ERROR_ILLEGAL_ADDRESS",
+        "cudaErrorIllegalAddress",
+        "cudaErrorLaunchFailure",
+    ];
+    STICKY.iter().any(|s| message.contains(s))
+}
+
+/// Runs a GPU kernel that writes through a wild pointer: a real device fault.
+#[cfg(feature = "fault-injection")]
+pub fn fault_device_write() -> Result<()> {
+    // SAFETY: no arguments; the fault happens on the device, not here.
+    check(unsafe { ffi::moat_fault_device_write() })
 }
 
 pub fn version() -> String {
@@ -87,11 +117,81 @@ impl Device {
         check(unsafe { ffi::moat_device_available(self as c_int, &mut out) }).is_ok() && out == 1
     }
 
+    /// How many devices of this kind MLX sees (0 where it has none).
+    pub fn count(self) -> usize {
+        let mut out: c_int = 0;
+        // SAFETY: `out` is a valid pointer for the duration of the call.
+        match check(unsafe { ffi::moat_device_count(self as c_int, &mut out) }) {
+            Ok(()) if self.available() => out.max(0) as usize,
+            _ => 0,
+        }
+    }
+
+    /// What MLX reports of device `index` of this kind.
+    pub fn info(self, index: usize) -> Result<DeviceInfo> {
+        let mut name = [0 as std::os::raw::c_char; 256];
+        let (mut memory, mut major, mut minor) = (0u64, 0 as c_int, 0 as c_int);
+        // SAFETY: `name` has `name.len()` writable bytes, which the shim
+        // NUL-terminates; the other pointers are valid for the call.
+        check(unsafe {
+            ffi::moat_device_info(
+                self as c_int,
+                index as c_int,
+                name.as_mut_ptr(),
+                name.len(),
+                &mut memory,
+                &mut major,
+                &mut minor,
+            )
+        })?;
+        // SAFETY: the shim wrote a NUL-terminated string into `name`.
+        let name = unsafe { CStr::from_ptr(name.as_ptr()) }.to_string_lossy().into_owned();
+        Ok(DeviceInfo {
+            kind: self,
+            name,
+            memory,
+            compute_capability: (major.max(0) as u32, minor.max(0) as u32),
+        })
+    }
+
     /// Makes this the device of every op built afterwards on this thread.
     pub fn make_default(self) -> Result<()> {
         // SAFETY: plain value argument.
-        check(unsafe { ffi::moat_set_default_device(self as c_int) })
+        check(unsafe { ffi::moat_set_default_device(self as c_int) })?;
+        ON_GPU.store(self == Device::Gpu, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
     }
+}
+
+static ON_GPU: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Whether ops run on the GPU, which has no float64 (MLX's CUDA backend).
+pub fn on_gpu() -> bool {
+    ON_GPU.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Runs `f` with the CPU as the default device, then goes back to the GPU.
+pub fn on_cpu<T>(f: impl FnOnce() -> T) -> T {
+    let was_gpu = on_gpu();
+    if was_gpu {
+        let _ = Device::Cpu.make_default();
+    }
+    let out = f();
+    if was_gpu {
+        if let Err(e) = Device::Gpu.make_default() {
+            log::error!("cannot go back to the GPU device: {e}");
+        }
+    }
+    out
+}
+
+/// One device as MLX describes it; `compute_capability` is (0, 0) on the CPU.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeviceInfo {
+    pub kind: Device,
+    pub name: String,
+    pub memory: u64,
+    pub compute_capability: (u32, u32),
 }
 
 /// Evaluates the arrays' graphs; errors thrown inside kernels surface here.

@@ -38,8 +38,13 @@ pub fn iota(_: &[&Array], a: &Term) -> Outputs {
         n => Some(attrs::int(n)?),
     };
     let count = |n: i64| -> Result<Array> {
-        // Counted in 64 bits, then converted (wrapping like Nx for narrow types).
-        let wide = if t.is_inexact() { Dtype::F64 } else { Dtype::S64 };
+        // Counted in 64 bits, then converted (wrapping like Nx for narrow
+        // types). The GPU has no f64; s64 converts to float the same way.
+        let wide = if t.is_inexact() && !crate::mlx::on_gpu() {
+            Dtype::F64
+        } else {
+            Dtype::S64
+        };
         ops::astype(&ops::arange(0.0, n as f64, 1.0, wide)?, t)
     };
     let result = match axis {

@@ -55,8 +55,11 @@ pub fn dot(x: &[&Array], a: &Term) -> Outputs {
     let r3 = ops::reshape(&ops::transpose(&r, &[bb, cb, fb].concat())?, &[b, k, n])?;
     let product = match l.dtype() {
         t if is_integer(t) => exact_int_matmul(&l3, &r3, k)?,
-        // Half floats accumulate in f32 and round once, as Nx's do.
-        Dtype::F16 | Dtype::Bf16 => ops::matmul(&ops::astype(&l3, Dtype::F32)?, &ops::astype(&r3, Dtype::F32)?)?,
+        // Half floats accumulate in f32 and round once, as Nx's do. MLX's
+        // CUDA GEMMs (cuBLAS) do that themselves, at the tensor cores' rate.
+        Dtype::F16 | Dtype::Bf16 if !crate::mlx::on_gpu() => {
+            ops::matmul(&ops::astype(&l3, Dtype::F32)?, &ops::astype(&r3, Dtype::F32)?)?
+        }
         _ => ops::matmul(&l3, &r3)?,
     };
     finish(ops::reshape(&product, &[batch, m_dims, n_dims].concat()), a)

@@ -212,6 +212,21 @@ pub fn builder(op: &str) -> Option<(Arity, Builder)> {
         .map(|(_, arity, b)| (*arity, *b))
 }
 
+/// Runs a builder. On the GPU, an op that MLX's CUDA backend refuses to
+/// build (float64 inside, or a kernel it lacks, such as int64 scatter) is
+/// built on the CPU instead, from the same inputs and to the same types:
+/// MLX moves the data between the devices.
+pub fn build(builder: Builder, inputs: &[&Array], a: &Term) -> Outputs {
+    match builder(inputs, a) {
+        Err(e) if crate::mlx::on_gpu() && gpu_unsupported(&e) => crate::mlx::on_cpu(|| builder(inputs, a)),
+        other => other,
+    }
+}
+
+fn gpu_unsupported(message: &str) -> bool {
+    message.contains("not supported on the GPU") || message.contains("GPU scatter does not yet support")
+}
+
 /// The single output of an op, converted to the attrs' `type` if it has one.
 fn finish(result: crate::mlx::Result<Array>, a: &Term) -> Outputs {
     let array = result.map_err(|e| e.message)?;

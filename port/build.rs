@@ -43,6 +43,8 @@ fn main() {
         }
     }
     build.compile("moat_shim");
+    // The shim's CPU kernels call SLEEF (Debian: libsleef-dev).
+    println!("cargo:rustc-link-lib=dylib=sleef");
 
     link_blas();
     println!("cargo:rustc-link-search=native={}", lib.display());

@@ -40,6 +40,10 @@ defmodule Moat.Worker do
     * `:shared_memory_threshold` - the smallest tensor, in bytes, that goes
       through shared memory (1 MiB); smaller ones are cheaper through the
       pipe
+    * `:cpu_kernels` - the worker's own CPU kernels of the f32/f16/bf16
+      transcendentals: `:auto` (default: AVX2 where the CPU has AVX2, FMA
+      and F16C), `:scalar` (the portable fallback) or `:avx2`; sets
+      `MOAT_CPU_FEATURES` for the worker, which otherwise inherits it
     * `:hello_timeout` - how long to wait for the worker's handshake (15 s)
     * `:debug` - debug checks, off by default (default from `config :moat, :debug`):
       * `detect_non_finite: true` - every op evaluates its float results and
@@ -120,6 +124,7 @@ defmodule Moat.Worker do
         :exit_status,
         :nouse_stdio,
         {:args, args}
+        | kernel_env(Keyword.get(opts, :cpu_kernels))
       ])
 
     with {:ok, info} <- await_hello(port, Keyword.get(opts, :hello_timeout, 15_000)) do
@@ -169,6 +174,14 @@ defmodule Moat.Worker do
   defp worker_path do
     System.get_env("MOAT_WORKER") || Application.app_dir(:moat, "priv/moat_port")
   end
+
+  defp kernel_env(nil), do: []
+
+  defp kernel_env(set) when set in [:auto, :scalar, :avx2],
+    do: [{:env, [{~c"MOAT_CPU_FEATURES", Atom.to_charlist(set)}]}]
+
+  defp kernel_env(other),
+    do: raise(ArgumentError, ":cpu_kernels must be :auto, :scalar or :avx2, got: #{inspect(other)}")
 
   defp worker_log_level(:warning), do: "warn"
   defp worker_log_level(level), do: to_string(level)

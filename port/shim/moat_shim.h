@@ -246,6 +246,22 @@ int moat_rfftn(const moat_array* a, const int32_t* n, const int32_t* axes, size_
 int moat_irfftn(const moat_array* a, const int32_t* n, const int32_t* axes, size_t k,
                 moat_array** out);
 
+// The shim's own vectorized CPU kernels (kernels.cpp) of f32, f16 and bf16
+// element-wise functions, computed in f32. moat_kernels_select picks the
+// kernel set once at start: MOAT_KERNELS_AUTO takes AVX2 when cpuid reports
+// AVX2, FMA and F16C; asking for AVX2 on a CPU without them fails.
+enum moat_kernels { MOAT_KERNELS_AUTO = -1, MOAT_KERNELS_SCALAR = 0, MOAT_KERNELS_AVX2 = 1 };
+enum moat_kernel_op {
+  MOAT_K_EXP, MOAT_K_EXPM1, MOAT_K_LOG, MOAT_K_LOG1P, MOAT_K_TANH, MOAT_K_SIGMOID,
+  MOAT_K_ERF, MOAT_K_ERFC, MOAT_K_SIN, MOAT_K_COS, MOAT_K_RSQRT,
+};
+int moat_kernels_select(int want, int* selected);
+// op(a); MLX's own op when the default device is not the CPU (except erfc,
+// which MLX lacks: always here).
+int moat_kernel_unary(int op, const moat_array* a, moat_array** out);
+// a ** b with broadcasting; operands of one type.
+int moat_kernel_power(const moat_array* a, const moat_array* b, moat_array** out);
+
 #ifdef __cplusplus
 }
 #endif

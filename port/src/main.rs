@@ -5,6 +5,7 @@ use crossbeam_channel::bounded;
 use moat_port::checks::Checks;
 use moat_port::connection::{read_loop, Outgoing, ReaderConfig, Replies};
 use moat_port::frame::Limits;
+use moat_port::mlx::kernels::Kernels;
 use moat_port::mlx::{self, Device};
 use moat_port::protocol;
 use moat_port::session::Session;
@@ -103,9 +104,13 @@ fn main() {
         })
         .expect("spawn writer");
 
+    let kernels = Kernels::select_from_env().unwrap_or_else(|e| {
+        eprintln!("moat_port: {e}");
+        std::process::exit(2);
+    });
     let offer = shared::offer(opts.shared_memory);
     let shared_memory = !offer.is_atom("nil");
-    replies.send(Outgoing::Frame(hello(&opts, offer)));
+    replies.send(Outgoing::Frame(hello(&opts, kernels, offer)));
 
     let (in_tx, in_rx) = bounded(256);
     let config = ReaderConfig {
@@ -146,7 +151,7 @@ fn exit_on_panic() {
     }));
 }
 
-fn hello(opts: &Options, shared_memory: Term) -> Term {
+fn hello(opts: &Options, kernels: Kernels, shared_memory: Term) -> Term {
     let devices = [Device::Cpu, Device::Gpu]
         .into_iter()
         .filter(|d| d.available())
@@ -155,6 +160,7 @@ fn hello(opts: &Options, shared_memory: Term) -> Term {
     protocol::hello(vec![
         ("blas", Term::atom(blas)),
         ("chunk_bytes", Term::int(opts.limits.chunk_bytes as u64)),
+        ("cpu", Term::atom(kernels.name())),
         ("devices", Term::List(devices.collect())),
         ("generation", Term::int(opts.generation)),
         ("max_frame_bytes", Term::int(opts.limits.max_frame_bytes as u64)),

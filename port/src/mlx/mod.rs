@@ -7,6 +7,7 @@
 mod array;
 mod dtype;
 mod ffi;
+pub mod kernels;
 pub mod memory;
 pub mod ops;
 

@@ -41,9 +41,10 @@ defmodule Moat.Worker do
       through shared memory (1 MiB); smaller ones are cheaper through the
       pipe
     * `:cpu_kernels` - the worker's own CPU kernels of the f32/f16/bf16
-      transcendentals: `:auto` (default: AVX2 where the CPU has AVX2, FMA
-      and F16C), `:scalar` (the portable fallback) or `:avx2`; sets
-      `MOAT_CPU_FEATURES` for the worker, which otherwise inherits it
+      transcendentals: `:auto` (default: the widest the CPU has: AVX-512F,
+      else AVX2 with FMA and F16C), `:scalar` (the portable fallback),
+      `:avx2` or `:avx512`; sets `MOAT_CPU_FEATURES` for the worker, which
+      otherwise inherits it
     * `:hello_timeout` - how long to wait for the worker's handshake (15 s)
     * `:debug` - debug checks, off by default (default from `config :moat, :debug`):
       * `detect_non_finite: true` - every op evaluates its float results and
@@ -177,11 +178,11 @@ defmodule Moat.Worker do
 
   defp kernel_env(nil), do: []
 
-  defp kernel_env(set) when set in [:auto, :scalar, :avx2],
+  defp kernel_env(set) when set in [:auto, :scalar, :avx2, :avx512],
     do: [{:env, [{~c"MOAT_CPU_FEATURES", Atom.to_charlist(set)}]}]
 
   defp kernel_env(other),
-    do: raise(ArgumentError, ":cpu_kernels must be :auto, :scalar or :avx2, got: #{inspect(other)}")
+    do: raise(ArgumentError, ":cpu_kernels must be :auto, :scalar, :avx2 or :avx512, got: #{inspect(other)}")
 
   defp worker_log_level(:warning), do: "warn"
   defp worker_log_level(level), do: to_string(level)

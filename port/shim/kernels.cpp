@@ -3,6 +3,7 @@
 // the cores for large inputs. The kernel set (AVX2 or scalar) is chosen once
 // at start from what cpuid reports.
 #include <atomic>
+#include <iterator>
 #include <stdexcept>
 #include <thread>
 
@@ -138,18 +139,18 @@ int moat_kernels_select(int want, int* selected_out) {
     __builtin_cpu_init();
     bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                 __builtin_cpu_supports("f16c");
+    bool avx512 = avx2 && __builtin_cpu_supports("avx512f");
+    const k::Kernel sets[] = {k::run_scalar, k::run_avx2, k::run_avx512};
 #else
-    bool avx2 = false;
+    bool avx2 = false, avx512 = false;
+    const k::Kernel sets[] = {k::run_scalar};
 #endif
-    if (want == MOAT_KERNELS_AVX2 && !avx2) {
-      throw std::invalid_argument("this CPU lacks AVX2, FMA or F16C");
-    }
-    int got = want == MOAT_KERNELS_AUTO ? (avx2 ? MOAT_KERNELS_AVX2 : MOAT_KERNELS_SCALAR) : want;
-#if defined(__x86_64__)
-    selected.store(got == MOAT_KERNELS_AVX2 ? k::run_avx2 : k::run_scalar);
-#else
-    selected.store(k::run_scalar);
-#endif
+    if (want == MOAT_KERNELS_AVX2 && !avx2) throw std::invalid_argument("this CPU lacks AVX2, FMA or F16C");
+    if (want == MOAT_KERNELS_AVX512 && !avx512) throw std::invalid_argument("this CPU lacks AVX-512F");
+    int best = avx512 ? MOAT_KERNELS_AVX512 : avx2 ? MOAT_KERNELS_AVX2 : MOAT_KERNELS_SCALAR;
+    int got = want == MOAT_KERNELS_AUTO ? best : want;
+    if (got < 0 || got >= static_cast<int>(std::size(sets))) throw std::invalid_argument("unknown kernel set");
+    selected.store(sets[got]);
     *selected_out = got;
   });
 }

@@ -24,6 +24,8 @@ void run_scalar(Op op, Storage st, const void* a, const void* b, void* out, size
 #if defined(__x86_64__)
 // Only on a CPU with AVX2, FMA and F16C.
 void run_avx2(Op op, Storage st, const void* a, const void* b, void* out, size_t n);
+// Only on a CPU with AVX-512F (and the above).
+void run_avx512(Op op, Storage st, const void* a, const void* b, void* out, size_t n);
 #endif
 
 }  // namespace moat::kernels

@@ -248,9 +248,12 @@ int moat_irfftn(const moat_array* a, const int32_t* n, const int32_t* axes, size
 
 // The shim's own vectorized CPU kernels (kernels.cpp) of f32, f16 and bf16
 // element-wise functions, computed in f32. moat_kernels_select picks the
-// kernel set once at start: MOAT_KERNELS_AUTO takes AVX2 when cpuid reports
-// AVX2, FMA and F16C; asking for AVX2 on a CPU without them fails.
-enum moat_kernels { MOAT_KERNELS_AUTO = -1, MOAT_KERNELS_SCALAR = 0, MOAT_KERNELS_AVX2 = 1 };
+// kernel set once at start: MOAT_KERNELS_AUTO takes AVX-512 when cpuid
+// reports AVX-512F (with AVX2, FMA and F16C), else AVX2 when it reports
+// those three, else scalar; asking for a set the CPU lacks fails.
+enum moat_kernels {
+  MOAT_KERNELS_AUTO = -1, MOAT_KERNELS_SCALAR = 0, MOAT_KERNELS_AVX2 = 1, MOAT_KERNELS_AVX512 = 2
+};
 enum moat_kernel_op {
   MOAT_K_EXP, MOAT_K_EXPM1, MOAT_K_LOG, MOAT_K_LOG1P, MOAT_K_TANH, MOAT_K_SIGMOID,
   MOAT_K_ERF, MOAT_K_ERFC, MOAT_K_SIN, MOAT_K_COS, MOAT_K_RSQRT,

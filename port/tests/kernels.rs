@@ -28,11 +28,25 @@ const OPS: [(&str, f64, Option<fn(f64) -> f64>); 11] = [
     ("rsqrt", 1.5, Some(|x| 1.0 / x.sqrt())),
 ];
 
+fn has_avx512() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return has_avx2() && is_x86_feature_detected!("avx512f");
+    #[cfg(not(target_arch = "x86_64"))]
+    return false;
+}
+
 fn has_avx2() -> bool {
     #[cfg(target_arch = "x86_64")]
     return is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c");
     #[cfg(not(target_arch = "x86_64"))]
     return false;
+}
+
+fn available_sets() -> Vec<&'static str> {
+    [("scalar", true), ("avx2", has_avx2()), ("avx512", has_avx512())]
+        .into_iter()
+        .filter_map(|(set, has)| has.then_some(set))
+        .collect()
 }
 
 /// Every 65536th f32 bit pattern (both signs, denormals, infinities, NaNs),
@@ -108,7 +122,13 @@ fn forced(set: &str) -> Worker {
 fn the_hello_names_the_kernel_set_the_cpu_supports_or_the_one_forced() {
     let cpu = |w: &Worker| w.hello.as_tuple().unwrap()[2].get("cpu").cloned();
     let w = Worker::start(&[]);
-    let best = if has_avx2() { "avx2" } else { "scalar" };
+    let best = if has_avx512() {
+        "avx512"
+    } else if has_avx2() {
+        "avx2"
+    } else {
+        "scalar"
+    };
     assert_eq!(cpu(&w), Some(Term::atom(best)));
     assert_eq!(cpu(&forced("scalar")), Some(Term::atom("scalar")));
     assert_eq!(cpu(&forced("auto")), Some(Term::atom(best)));
@@ -119,6 +139,9 @@ fn an_unknown_or_unsupported_kernel_set_stops_the_worker_with_status_2() {
     let mut sets = vec!["avx9"];
     if !has_avx2() {
         sets.push("avx2");
+    }
+    if !has_avx512() {
+        sets.push("avx512");
     }
     for set in sets {
         let mut w = Worker::spawn(&[], &[("MOAT_CPU_FEATURES", set)], Stdio::piped());
@@ -136,6 +159,9 @@ fn both_kernel_sets_keep_their_ulp_bounds_and_agree() {
     let mut sets = vec![forced("scalar")];
     if has_avx2() {
         sets.push(forced("avx2"));
+    }
+    if has_avx512() {
+        sets.push(forced("avx512"));
     }
     let mut results: Vec<Vec<Vec<f32>>> = Vec::new();
     for w in &mut sets {
@@ -155,12 +181,14 @@ fn both_kernel_sets_keep_their_ulp_bounds_and_agree() {
             }
         }
     }
-    // The sets agree within the looser of their bounds, NaN for NaN.
-    if let [scalar, avx2] = &results[..] {
-        for (((op, bound, _), s), a) in OPS.iter().zip(scalar).zip(avx2) {
-            for ((s, a), x) in s.iter().zip(a).zip(&xs) {
-                let apart = ulps(*s, *a as f64);
-                assert!(apart <= 2.0 * bound, "{op}({x:e}): scalar {s:e}, avx2 {a:e}");
+    // The vector sets agree with the scalar fallback within twice their
+    // bounds, NaN for NaN.
+    let (scalar, vector) = results.split_first().unwrap();
+    for (set, per_op) in vector.iter().enumerate() {
+        for (((op, bound, _), s), v) in OPS.iter().zip(scalar).zip(per_op) {
+            for ((s, v), x) in s.iter().zip(v).zip(&xs) {
+                let apart = ulps(*s, *v as f64);
+                assert!(apart <= 2.0 * bound, "{op}({x:e}): scalar {s:e}, set {} {v:e}", set + 1);
             }
         }
     }
@@ -170,7 +198,7 @@ fn both_kernel_sets_keep_their_ulp_bounds_and_agree() {
 fn pow_keeps_its_bound_with_broadcasting() {
     let bases: Vec<f32> = sweep().into_iter().filter(|x| x.is_finite()).map(f32::abs).collect();
     let exps = [-3.5f32, -2.0, -1.0, -0.5, 0.0, 0.5, 1.0, 2.0, 3.0, 10.25];
-    for set in ["scalar", "auto"] {
+    for set in available_sets() {
         let mut w = forced(set);
         w.upload_f32(1, &[bases.len() as i32, 1], &bases);
         w.upload_f32(2, &[exps.len() as i32], &exps);
@@ -257,7 +285,7 @@ fn half_width_types_round_the_f32_result_once() {
         .into_iter()
         .filter(|x| x.abs() < 1e4 || !x.is_finite())
         .collect();
-    for set in ["scalar", "auto"] {
+    for set in available_sets() {
         let mut w = forced(set);
         w.upload_f32(1, &[xs.len() as i32], &xs);
         for (t, (kind, bits)) in [("f", 16u32), ("bf", 16)].into_iter().enumerate() {

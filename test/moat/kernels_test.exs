@@ -41,14 +41,21 @@ defmodule Moat.KernelsTest do
 
   @types [{:f, 32}, {:f, 16}, {:bf, 16}]
 
+  # The default worker takes the widest set; the others are forced, AVX2
+  # only where the CPU has it.
+  @flags File.read!("/proc/cpuinfo") |> String.split() |> MapSet.new()
+  @avx2 Enum.all?(~w(avx2 fma f16c), &MapSet.member?(@flags, &1))
+  @workers [Moat.Worker, :kernels_scalar] ++ if(@avx2, do: [:kernels_avx2], else: [])
+
   setup_all do
     start_worker(:kernels_scalar, cpu_kernels: :scalar)
+    if @avx2, do: start_worker(:kernels_avx2, cpu_kernels: :avx2)
     :ok
   end
 
   test "the hello names the kernel set, and :cpu_kernels forces the fallback" do
     assert Moat.Worker.info(:kernels_scalar).cpu == :scalar
-    assert Moat.Worker.info().cpu in [:avx2, :scalar]
+    assert Moat.Worker.info().cpu in [:avx512, :avx2, :scalar]
 
     assert {:error, {{%ArgumentError{message: message}, _}, _}} =
              start_supervised({Moat.Worker, name: :kernels_bad, cpu_kernels: :sse9})
@@ -56,7 +63,7 @@ defmodule Moat.KernelsTest do
     assert message =~ ":cpu_kernels must be"
   end
 
-  for {op, {{lo, hi}, bound}} <- @ops, type <- @types, worker <- [Moat.Worker, :kernels_scalar] do
+  for {op, {{lo, hi}, bound}} <- @ops, type <- @types, worker <- @workers do
     test "#{op} of #{inspect(type)} through #{inspect(worker)} keeps its bound against BinaryBackend" do
       op = unquote(op)
       type = unquote(type)
@@ -75,7 +82,7 @@ defmodule Moat.KernelsTest do
     end
   end
 
-  for {op, edges} <- @edges, worker <- [Moat.Worker, :kernels_scalar] do
+  for {op, edges} <- @edges, worker <- @workers do
     test "#{op} of edge values through #{inspect(worker)}" do
       {ins, wants} = Enum.unzip(unquote(Macro.escape(edges)))
 
@@ -96,7 +103,7 @@ defmodule Moat.KernelsTest do
     bases = inputs(1.0e-3, 1.0e3) |> Enum.take(1000)
     exps = [-3.5, -2.0, -1.0, -0.5, 0.0, 0.5, 1.0, 2.0, 3.0, 7.25]
 
-    for type <- @types, worker <- [Moat.Worker, :kernels_scalar] do
+    for type <- @types, worker <- @workers do
       b = Nx.tensor(bases, type: type, backend: Nx.BinaryBackend) |> Nx.reshape({:auto, 1})
       e = Nx.tensor(exps, type: type, backend: Nx.BinaryBackend)
       exact = Nx.pow(Nx.as_type(b, :f64), Nx.as_type(e, :f64)) |> Nx.to_flat_list()

@@ -12,10 +12,11 @@ use std::os::raw::c_int;
 pub enum Kernels {
     Scalar = 0,
     Avx2 = 1,
+    Avx512 = 2,
 }
 
-/// The environment variable that forces a kernel set: `scalar`, `avx2`, or
-/// `auto` (the default: AVX2 when cpuid reports AVX2, FMA and F16C).
+/// The environment variable that forces a kernel set: `scalar`, `avx2`,
+/// `avx512`, or `auto` (the default: the widest that cpuid reports).
 pub const FORCE_VAR: &str = "MOAT_CPU_FEATURES";
 
 impl Kernels {
@@ -23,6 +24,7 @@ impl Kernels {
         match self {
             Kernels::Scalar => "scalar",
             Kernels::Avx2 => "avx2",
+            Kernels::Avx512 => "avx512",
         }
     }
 
@@ -33,15 +35,16 @@ impl Kernels {
             Err(_) | Ok("") | Ok("auto") => -1,
             Ok("scalar") => Kernels::Scalar as c_int,
             Ok("avx2") => Kernels::Avx2 as c_int,
-            Ok(other) => return Err(format!("{FORCE_VAR}={other}: expected auto, scalar or avx2")),
+            Ok("avx512") => Kernels::Avx512 as c_int,
+            Ok(other) => return Err(format!("{FORCE_VAR}={other}: expected auto, scalar, avx2 or avx512")),
         };
         let mut got: c_int = 0;
         // SAFETY: `got` is a valid pointer for the duration of the call.
         check(unsafe { ffi::moat_kernels_select(want, &mut got) }).map_err(|e| format!("{FORCE_VAR}: {e}"))?;
-        Ok(if got == Kernels::Avx2 as c_int {
-            Kernels::Avx2
-        } else {
-            Kernels::Scalar
+        Ok(match got {
+            1 => Kernels::Avx2,
+            2 => Kernels::Avx512,
+            _ => Kernels::Scalar,
         })
     }
 }

@@ -19,16 +19,16 @@ namespace {
 
 std::atomic<k::Kernel> selected{k::run_scalar};
 
-const char* const kNames[k::OP_COUNT] = {
+const char* const kNames[k::OP_COUNT + 1] = {
     "MoatExp", "MoatExpm1", "MoatLog", "MoatLog1p", "MoatTanh", "MoatSigmoid",
-    "MoatErf", "MoatErfc", "MoatSin", "MoatCos", "MoatRsqrt", "MoatPow",
+    "MoatErf", "MoatErfc", "MoatSin", "MoatCos", "MoatRsqrt", "MoatPow", "MoatPow",
 };
 
 // Elements below which one more thread costs more than it saves: ~20 us to
 // start a thread against ~0.5 ns (exp) to ~15 ns (erfc) an element.
 size_t min_per_thread(k::Op op) {
   switch (op) {
-    case k::EXP: case k::SIGMOID: case k::RSQRT: case k::SIN: case k::COS: return 1 << 16;
+    case k::EXP: case k::SIGMOID: case k::RSQRT: case k::SIN: case k::COS: case k::POW_SCALAR: return 1 << 16;
     default: return 1 << 14;
   }
 }
@@ -41,7 +41,8 @@ void run_parallel(k::Kernel kernel, k::Op op, k::Storage st, const char* a, cons
   std::vector<std::thread> helpers;
   for (size_t p = 1; p < parts; ++p) {
     size_t lo = p * chunk, len = std::min(chunk, n - lo);
-    auto part = [=] { kernel(op, st, a + lo * esize, b ? b + lo * esize : nullptr, out + lo * esize, len); };
+    const char* b_part = op == k::POW_SCALAR || !b ? b : b + lo * esize;
+    auto part = [=] { kernel(op, st, a + lo * esize, b_part, out + lo * esize, len); };
     try {
       helpers.emplace_back(part);
     } catch (const std::system_error&) {
@@ -64,9 +65,15 @@ class Kernel : public mx::UnaryPrimitive {
   Kernel(mx::Stream s, k::Op op) : mx::UnaryPrimitive(s), op_(op) {}
 
   // Inputs are contiguous (the builder ensures it) and, for POW, of one
-  // layout; the output takes the first input's layout.
+  // layout, or the exponent is one element; the output takes the first
+  // input's layout.
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     const mx::array& a = inputs[0];
+    k::Op op = op_;
+    if (op == k::POW && !(inputs[1].flags().row_contiguous && a.flags().row_contiguous)) {
+      if (inputs[1].data_size() != 1) throw std::logic_error("[MoatPow] operands of different layouts");
+      op = k::POW_SCALAR;
+    }
     if (a.is_donatable() && a.itemsize() == out.itemsize()) {
       out.copy_shared_buffer(a);
     } else {
@@ -76,7 +83,7 @@ class Kernel : public mx::UnaryPrimitive {
     auto& encoder = mx::cpu::get_command_encoder(stream());
     for (auto& in : inputs) encoder.set_input_array(in);
     encoder.set_output_array(out);
-    encoder.dispatch([kernel = selected.load(), op = op_, st = storage(a.dtype()),
+    encoder.dispatch([kernel = selected.load(), op, st = storage(a.dtype()),
                       pa = a.data<char>(), pb = inputs.size() > 1 ? inputs[1].data<char>() : nullptr,
                       po = out.data<char>(), n = a.data_size(), esize = a.itemsize()] {
       run_parallel(kernel, op, st, pa, pb, po, n, esize);
@@ -175,7 +182,9 @@ int moat_kernel_power(const moat_array* a, const moat_array* b, moat_array** out
     storage(arr(a).dtype());
     auto s = mx::default_stream(mx::Device::cpu);
     auto both = mx::broadcast_arrays({arr(a), arr(b)}, s);
-    std::vector<mx::array> in = {laid_out(both[0], true, s), laid_out(both[1], true, s)};
+    // One exponent stays one element (a broadcast view of it) for POW_SCALAR.
+    std::vector<mx::array> in = {laid_out(both[0], true, s),
+                                 arr(b).size() == 1 ? both[1] : laid_out(both[1], true, s)};
     return mx::array(both[0].shape(), both[0].dtype(), std::make_shared<Kernel>(s, k::POW), std::move(in));
   });
 }

@@ -57,6 +57,16 @@ V sin_(V x) { return Sleef_sinf8_u10avx2(x); }
 V cos_(V x) { return Sleef_cosf8_u10avx2(x); }
 V pow_(V x, V y) { return Sleef_powf8_u10avx2(x, y); }
 
+using D = __m256d;
+D dsplat(double x) { return _mm256_set1_pd(x); }
+D dmul(D a, D b) { return _mm256_mul_pd(a, b); }
+D ddiv(D a, D b) { return _mm256_div_pd(a, b); }
+void widen(V v, D& lo, D& hi) {
+  lo = _mm256_cvtps_pd(_mm256_castps256_ps128(v));
+  hi = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
+}
+V narrow(D lo, D hi) { return _mm256_set_m128(_mm256_cvtpd_ps(hi), _mm256_cvtpd_ps(lo)); }
+
 const __m128i* in16(const void* p, size_t i) {
   return reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i);
 }

@@ -12,6 +12,7 @@
 // undefined vectors, which -Wmaybe-uninitialized reports.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 #include <immintrin.h>
 
 // From sleef.h, which declares these only when the compiler targets AVX-512.
@@ -60,6 +61,19 @@ V erfc_(V x) { return Sleef_erfcf16_u15avx512f(x); }
 V sin_(V x) { return Sleef_sinf16_u10avx512f(x); }
 V cos_(V x) { return Sleef_cosf16_u10avx512f(x); }
 V pow_(V x, V y) { return Sleef_powf16_u10avx512f(x, y); }
+
+using D = __m512d;
+D dsplat(double x) { return _mm512_set1_pd(x); }
+D dmul(D a, D b) { return _mm512_mul_pd(a, b); }
+D ddiv(D a, D b) { return _mm512_div_pd(a, b); }
+void widen(V v, D& lo, D& hi) {
+  lo = _mm512_cvtps_pd(_mm512_castps512_ps256(v));
+  hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+V narrow(D lo, D hi) {
+  __m512d low = _mm512_castpd256_pd512(_mm256_castps_pd(_mm512_cvtpd_ps(lo)));
+  return _mm512_castpd_ps(_mm512_insertf64x4(low, _mm256_castps_pd(_mm512_cvtpd_ps(hi)), 1));
+}
 
 const __m256i* in16(const void* p, size_t i) {
   return reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(p) + i);

@@ -72,14 +72,26 @@ float apply(Op op, float x, float y) {
     case COS: return Sleef_cosf_u10(x);
     case RSQRT: return 1.0f / std::sqrt(x);
     case POW: return Sleef_powf_u10(x, y);
-    case OP_COUNT: break;
+    case POW_SCALAR: break;
   }
   return x;
+}
+
+// As kernels_simd.inc's pow_scalar.
+void pow_scalar(Storage st, const void* a, const void* e, void* out, size_t n) {
+  float y = load(st, e, 0);
+  bool integer = y == static_cast<float>(static_cast<int>(y)) && y >= -64.0f && y <= 64.0f;
+  for (size_t i = 0; i < n; ++i) {
+    float x = load(st, a, i);
+    store(st, out, i, integer ? static_cast<float>(std::pow(static_cast<double>(x), static_cast<int>(y)))
+                              : Sleef_powf_u10(x, y));
+  }
 }
 
 }  // namespace
 
 void run_scalar(Op op, Storage st, const void* a, const void* b, void* out, size_t n) {
+  if (op == POW_SCALAR) return pow_scalar(st, a, b, out, n);
   for (size_t i = 0; i < n; ++i) {
     store(st, out, i, apply(op, load(st, a, i), op == POW ? load(st, b, i) : 0.0f));
   }

@@ -216,6 +216,43 @@ fn pow_keeps_its_bound_with_broadcasting() {
 }
 
 #[test]
+fn pow_by_one_exponent_keeps_its_bound_and_half_types_round_once() {
+    let bases: Vec<f32> = sweep().into_iter().filter(|x| !x.is_nan()).collect();
+    let exps = [
+        -64.0f32, -3.0, -2.0, -1.0, 0.0, 1.0, 2.0, 3.0, 4.0, 64.0, 0.5, -1.5, 7.25, 65.0,
+    ];
+    for set in available_sets() {
+        let mut w = forced(set);
+        w.upload_f32(1, &[bases.len() as i32], &bases);
+        for (k, e) in exps.iter().enumerate() {
+            let id = 10 + 10 * k as u64;
+            // A 0-d exponent and a {1} one both broadcast as one element.
+            let shape: &[i32] = if k % 2 == 0 { &[] } else { &[1] };
+            w.upload_f32(id, shape, &[*e]);
+            w.request(0, "pow", &[id + 1], &[1, id], typed("f", 32));
+            let got = w.read_f32(id, id + 1);
+            for (b, g) in bases.iter().zip(&got) {
+                let exact = (*b as f64).powf(*e as f64);
+                assert!(ulps(*g, exact) <= 1.0, "{set}: {b:e} ** {e} = {g:e}, want {exact:e}");
+            }
+            // bf16: the f32 result rounded once.
+            w.request(0, "astype", &[id + 2], &[1], typed("bf", 16));
+            w.request(0, "astype", &[id + 3], &[id], typed("bf", 16));
+            w.request(0, "pow", &[id + 4], &[id + 2, id + 3], typed("bf", 16));
+            w.request(0, "astype", &[id + 5], &[id + 2], typed("f", 32));
+            w.request(0, "astype", &[id + 6], &[id + 3], typed("f", 32));
+            w.request(0, "pow", &[id + 7], &[id + 5, id + 6], typed("f", 32));
+            w.request(0, "astype", &[id + 8], &[id + 7], typed("bf", 16));
+            let (direct, via) = (w.read_bytes(id + 4, id + 4), w.read_bytes(id + 8, id + 8));
+            for (d, v) in direct.chunks(2).zip(via.chunks(2)) {
+                let nan = |c: &[u8]| u16::from_le_bytes([c[0], c[1]]) & 0x7fff > 0x7f80;
+                assert!(d == v || (nan(d) && nan(v)), "{set}: bf16 ** {e}: {d:?} vs {v:?}");
+            }
+        }
+    }
+}
+
+#[test]
 fn strided_broadcast_and_empty_inputs_give_what_contiguous_ones_do() {
     let mut w = Worker::start(&[]);
     let xs: Vec<f32> = (0..24).map(|i| i as f32 * 0.37 - 4.0).collect();

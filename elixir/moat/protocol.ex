@@ -39,7 +39,7 @@ defmodule Moat.Protocol do
   def worker_atoms do
     ~w(hello ack ok more error protocol stale_generation blas openblas reference
        chunk_bytes devices cpu gpu generation max_frame_bytes mlx os_pid bytes dtype
-       shape u s f bf c pred shared_memory address nonce path inode avx512 avx2 scalar)a
+       shape u s f bf c pred shared_memory address nonce path inode avx512 avx2 scalar mlx)a
   end
 
   @doc """

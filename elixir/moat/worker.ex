@@ -43,8 +43,8 @@ defmodule Moat.Worker do
     * `:cpu_kernels` - the worker's own CPU kernels of the f32/f16/bf16
       transcendentals: `:auto` (default: the widest the CPU has: AVX-512F,
       else AVX2 with FMA and F16C), `:scalar` (the portable fallback),
-      `:avx2` or `:avx512`; sets `MOAT_CPU_FEATURES` for the worker, which
-      otherwise inherits it
+      `:avx2`, `:avx512`, or `:mlx` (MLX's own kernels, for comparison);
+      sets `MOAT_CPU_FEATURES` for the worker, which otherwise inherits it
     * `:hello_timeout` - how long to wait for the worker's handshake (15 s)
     * `:debug` - debug checks, off by default (default from `config :moat, :debug`):
       * `detect_non_finite: true` - every op evaluates its float results and
@@ -178,11 +178,11 @@ defmodule Moat.Worker do
 
   defp kernel_env(nil), do: []
 
-  defp kernel_env(set) when set in [:auto, :scalar, :avx2, :avx512],
+  defp kernel_env(set) when set in [:auto, :scalar, :avx2, :avx512, :mlx],
     do: [{:env, [{~c"MOAT_CPU_FEATURES", Atom.to_charlist(set)}]}]
 
   defp kernel_env(other),
-    do: raise(ArgumentError, ":cpu_kernels must be :auto, :scalar, :avx2 or :avx512, got: #{inspect(other)}")
+    do: raise(ArgumentError, ":cpu_kernels must be :auto, :scalar, :avx2, :avx512 or :mlx, got: #{inspect(other)}")
 
   defp worker_log_level(:warning), do: "warn"
   defp worker_log_level(level), do: to_string(level)

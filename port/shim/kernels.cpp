@@ -18,6 +18,8 @@ namespace k = moat::kernels;
 namespace {
 
 std::atomic<k::Kernel> selected{k::run_scalar};
+// MOAT_KERNELS_MLX: MLX's own kernels instead.
+std::atomic<bool> use_mlx{false};
 
 const char* const kNames[k::OP_COUNT + 1] = {
     "MoatExp", "MoatExpm1", "MoatLog", "MoatLog1p", "MoatTanh", "MoatSigmoid",
@@ -118,7 +120,7 @@ mx::array laid_out(const mx::array& x, bool row, mx::Stream s) {
   return mx::contiguous(x, !row, s);
 }
 
-bool on_cpu() { return mx::default_device() == mx::Device::cpu; }
+bool ours() { return mx::default_device() == mx::Device::cpu && !use_mlx.load(); }
 
 mx::array mlx_op(k::Op op, const mx::array& x) {
   switch (op) {
@@ -156,8 +158,14 @@ int moat_kernels_select(int want, int* selected_out) {
     if (want == MOAT_KERNELS_AVX512 && !avx512) throw std::invalid_argument("this CPU lacks AVX-512F");
     int best = avx512 ? MOAT_KERNELS_AVX512 : avx2 ? MOAT_KERNELS_AVX2 : MOAT_KERNELS_SCALAR;
     int got = want == MOAT_KERNELS_AUTO ? best : want;
-    if (got < 0 || got >= static_cast<int>(std::size(sets))) throw std::invalid_argument("unknown kernel set");
-    selected.store(sets[got]);
+    use_mlx.store(got == MOAT_KERNELS_MLX);
+    if (got == MOAT_KERNELS_MLX) {
+      selected.store(k::run_scalar);  // erfc, which MLX lacks
+    } else if (got >= 0 && got < static_cast<int>(std::size(sets))) {
+      selected.store(sets[got]);
+    } else {
+      throw std::invalid_argument("unknown kernel set");
+    }
     *selected_out = got;
   });
 }
@@ -167,7 +175,7 @@ int moat_kernel_unary(int op, const moat_array* a, moat_array** out) {
     if (op < 0 || op >= k::POW) throw std::invalid_argument("[moat kernels] unknown unary op");
     const mx::array& x = arr(a);
     // MLX has no erfc (1 - erf loses the small values): it always runs here.
-    if (!on_cpu() && op != k::ERFC) return mlx_op(static_cast<k::Op>(op), x);
+    if (!ours() && op != k::ERFC) return mlx_op(static_cast<k::Op>(op), x);
     storage(x.dtype());
     auto s = mx::default_stream(mx::Device::cpu);
     auto in = laid_out(x, false, s);
@@ -177,7 +185,7 @@ int moat_kernel_unary(int op, const moat_array* a, moat_array** out) {
 
 int moat_kernel_power(const moat_array* a, const moat_array* b, moat_array** out) {
   return produce(out, [&] {
-    if (!on_cpu()) return mx::power(arr(a), arr(b));
+    if (!ours()) return mx::power(arr(a), arr(b));
     if (arr(a).dtype() != arr(b).dtype()) throw std::invalid_argument("[moat power] operand types differ");
     storage(arr(a).dtype());
     auto s = mx::default_stream(mx::Device::cpu);

@@ -251,16 +251,18 @@ int moat_irfftn(const moat_array* a, const int32_t* n, const int32_t* axes, size
 // kernel set once at start: MOAT_KERNELS_AUTO takes AVX-512 when cpuid
 // reports AVX-512F (with AVX2, FMA and F16C), else AVX2 when it reports
 // those three, else scalar; asking for a set the CPU lacks fails.
+// MOAT_KERNELS_MLX leaves the ops to MLX's own CPU kernels (for comparison).
 enum moat_kernels {
-  MOAT_KERNELS_AUTO = -1, MOAT_KERNELS_SCALAR = 0, MOAT_KERNELS_AVX2 = 1, MOAT_KERNELS_AVX512 = 2
+  MOAT_KERNELS_AUTO = -1, MOAT_KERNELS_SCALAR = 0, MOAT_KERNELS_AVX2 = 1, MOAT_KERNELS_AVX512 = 2,
+  MOAT_KERNELS_MLX = 3
 };
 enum moat_kernel_op {
   MOAT_K_EXP, MOAT_K_EXPM1, MOAT_K_LOG, MOAT_K_LOG1P, MOAT_K_TANH, MOAT_K_SIGMOID,
   MOAT_K_ERF, MOAT_K_ERFC, MOAT_K_SIN, MOAT_K_COS, MOAT_K_RSQRT,
 };
 int moat_kernels_select(int want, int* selected);
-// op(a); MLX's own op when the default device is not the CPU (except erfc,
-// which MLX lacks: always here).
+// op(a); MLX's own op when the default device is not the CPU or the set is
+// MOAT_KERNELS_MLX (except erfc, which MLX lacks: always here, scalar then).
 int moat_kernel_unary(int op, const moat_array* a, moat_array** out);
 // a ** b with broadcasting; operands of one type.
 int moat_kernel_power(const moat_array* a, const moat_array* b, moat_array** out);

@@ -132,6 +132,7 @@ fn the_hello_names_the_kernel_set_the_cpu_supports_or_the_one_forced() {
     assert_eq!(cpu(&w), Some(Term::atom(best)));
     assert_eq!(cpu(&forced("scalar")), Some(Term::atom("scalar")));
     assert_eq!(cpu(&forced("auto")), Some(Term::atom(best)));
+    assert_eq!(cpu(&forced("mlx")), Some(Term::atom("mlx")));
 }
 
 #[test]

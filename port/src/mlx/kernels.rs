@@ -13,10 +13,13 @@ pub enum Kernels {
     Scalar = 0,
     Avx2 = 1,
     Avx512 = 2,
+    /// MLX's own CPU kernels, for comparison (erfc, which MLX lacks, scalar).
+    Mlx = 3,
 }
 
 /// The environment variable that forces a kernel set: `scalar`, `avx2`,
-/// `avx512`, or `auto` (the default: the widest that cpuid reports).
+/// `avx512`, `mlx` (MLX's own kernels), or `auto` (the default: the widest
+/// that cpuid reports).
 pub const FORCE_VAR: &str = "MOAT_CPU_FEATURES";
 
 impl Kernels {
@@ -25,6 +28,7 @@ impl Kernels {
             Kernels::Scalar => "scalar",
             Kernels::Avx2 => "avx2",
             Kernels::Avx512 => "avx512",
+            Kernels::Mlx => "mlx",
         }
     }
 
@@ -36,7 +40,12 @@ impl Kernels {
             Ok("scalar") => Kernels::Scalar as c_int,
             Ok("avx2") => Kernels::Avx2 as c_int,
             Ok("avx512") => Kernels::Avx512 as c_int,
-            Ok(other) => return Err(format!("{FORCE_VAR}={other}: expected auto, scalar, avx2 or avx512")),
+            Ok("mlx") => Kernels::Mlx as c_int,
+            Ok(other) => {
+                return Err(format!(
+                    "{FORCE_VAR}={other}: expected auto, scalar, avx2, avx512 or mlx"
+                ))
+            }
         };
         let mut got: c_int = 0;
         // SAFETY: `got` is a valid pointer for the duration of the call.
@@ -44,6 +53,7 @@ impl Kernels {
         Ok(match got {
             1 => Kernels::Avx2,
             2 => Kernels::Avx512,
+            3 => Kernels::Mlx,
             _ => Kernels::Scalar,
         })
     }

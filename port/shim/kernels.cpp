@@ -35,23 +35,28 @@ size_t min_per_thread(k::Op op) {
   }
 }
 
+// The threads take blocks from a shared counter, so that one that starts
+// late (the machine is busy) takes fewer instead of holding the op up.
 void run_parallel(k::Kernel kernel, k::Op op, k::Storage st, const char* a, const char* b, char* out,
                   size_t n, size_t esize) {
   size_t cores = std::max(1u, std::min(std::thread::hardware_concurrency(), 16u));
-  size_t parts = std::max<size_t>(1, std::min(cores, n / min_per_thread(op)));
-  size_t chunk = (n + parts - 1) / parts;
-  std::vector<std::thread> helpers;
-  for (size_t p = 1; p < parts; ++p) {
-    size_t lo = p * chunk, len = std::min(chunk, n - lo);
-    const char* b_part = op == k::POW_SCALAR || !b ? b : b + lo * esize;
-    auto part = [=] { kernel(op, st, a + lo * esize, b_part, out + lo * esize, len); };
-    try {
-      helpers.emplace_back(part);
-    } catch (const std::system_error&) {
-      part();  // no thread to be had: this one does the part itself
+  size_t threads = std::max<size_t>(1, std::min(cores, n / min_per_thread(op)));
+  const size_t block = 1 << 14;
+  std::atomic<size_t> next{0};
+  auto work = [&] {
+    for (size_t lo; (lo = next.fetch_add(block)) < n;) {
+      const char* b_part = op == k::POW_SCALAR || !b ? b : b + lo * esize;
+      kernel(op, st, a + lo * esize, b_part, out + lo * esize, std::min(block, n - lo));
     }
+  };
+  std::vector<std::thread> helpers;
+  try {
+    helpers.reserve(threads - 1);
+    for (size_t t = 1; t < threads; ++t) helpers.emplace_back(work);
+  } catch (const std::exception&) {
+    // No thread (or memory) to be had: the threads there are take its blocks.
   }
-  kernel(op, st, a, b, out, std::min(chunk, n));
+  work();
   for (auto& t : helpers) t.join();
 }
 

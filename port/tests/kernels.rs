@@ -274,7 +274,16 @@ fn strided_broadcast_and_empty_inputs_give_what_contiguous_ones_do() {
         f32_type(),
     ]);
     w.request(0, "slice", &[3], &[1], slice);
-    for (seq, view) in [(1u64, 2u64), (2, 3)] {
+    // A broadcast view: its evaluated form has zero strides and 6 elements.
+    w.upload_f32(4, &[6], &xs[..6]);
+    w.request(
+        0,
+        "broadcast_to",
+        &[5],
+        &[4],
+        map(vec![("shape", ints(&[4, 6])), f32_type()]),
+    );
+    for (seq, view) in [(1u64, 2u64), (2, 3), (8, 5)] {
         let copy = w.read_f32(10 * seq, view);
         w.upload_f32(20 + view, &[copy.len() as i32], &copy);
         for (k, (op, _, _)) in OPS.iter().enumerate() {

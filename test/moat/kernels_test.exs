@@ -72,7 +72,7 @@ defmodule Moat.KernelsTest do
       exact = exact(op, xs)
       got = xs |> Nx.backend_transfer({Moat.Backend, worker: unquote(worker)}) |> then(&apply(Nx, op, [&1]))
       got = Nx.to_flat_list(got)
-      bound = if type == {:f, 32}, do: unquote(bound), else: 1.0
+      bound = unquote(if type == {:f, 32}, do: bound, else: 1.0)
       errors = Enum.zip(got, exact) |> Enum.map(fn {g, e} -> ulps(g, e, type) end)
       histogram = Enum.frequencies_by(errors, &ceil/1)
       worst = Enum.max(errors)

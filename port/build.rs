@@ -68,6 +68,8 @@ fn main() {
         build.define("MOAT_FAULT_INJECTION", None);
     }
     build.compile("moat_shim");
+    // The shim's CPU kernels call SLEEF (Debian: libsleef-dev).
+    println!("cargo:rustc-link-lib=dylib=sleef");
 
     let mut libs = mlx_libs(&mlx);
     libs.extend(link_blas());

@@ -89,9 +89,15 @@ defmodule Moat.Backend do
       of these are single precision), within a few ulp of the correctly
       rounded result; `sin`/`cos` lose accuracy beyond |x| ≈ 10⁶. `erf_inv`
       is more accurate than Nx.BinaryBackend's approximation (~3e-8).
-      `erfc` is computed in f64 for every float type. Other math follows
-      MLX's kernels: in f32 within ~5e-7 relative of Erlang's `:math`,
-      except `erf` (up to 1e-5).
+    * f32, f16 and bf16 `exp`, `expm1`, `log`, `log1p`, `tanh`, `sigmoid`,
+      `erf`, `erfc`, `sin`, `cos`, `rsqrt` and `pow` run on the worker's own
+      vectorized CPU kernels (SLEEF; the set is chosen from what the CPU
+      reports and named in the hello's `cpu`), computed in f32 over the
+      whole range, denormals included: within 1 ulp of the exact result
+      (`sigmoid` 3, `erfc` 2, `rsqrt` 1.5; `sin`/`cos` at any magnitude);
+      f16 and bf16 results are the f32 result rounded once. Other math
+      follows MLX's kernels: in f32 within ~5e-7 relative of Erlang's
+      `:math`.
     * Where Nx.BinaryBackend has no answer or a wrong one: `tanh` and `erf`
       of ±inf are ±1 (BinaryBackend: NaN); `sign` of NaN is NaN and of -inf
       is -1 (BinaryBackend: 1); `ceil`, `floor` and `round` return

@@ -65,6 +65,11 @@ defmodule Moat.Worker do
       acknowledgements, and the CPU time it uses, which a long computation
       keeps growing and a hung MLX call does not. Callers then get a
       `Moat.Error` saying the worker hung.
+    * `:cpu_kernels` - the worker's own CPU kernels of the f32/f16/bf16
+      transcendentals: `:auto` (default: the widest the CPU has: AVX-512F,
+      else AVX2 with FMA and F16C), `:scalar` (the portable fallback),
+      `:avx2`, `:avx512`, or `:mlx` (MLX's own kernels, for comparison);
+      sets `MOAT_CPU_FEATURES` for the worker, which otherwise inherits it
     * `:hello_timeout` - how long to wait for the worker's handshake (15 s)
     * `:kernel_cache` - where MLX keeps the fused kernels it compiles for
       `Moat.Compiler`'s `fuse: true` (default: `moat-kernels` in the user's
@@ -165,7 +170,8 @@ defmodule Moat.Worker do
         :nouse_stdio,
         {:args, args},
         {:env,
-         kernel_cache_env(setting.(:kernel_cache)) ++ gpu_env(Keyword.get(opts, :gpu)) ++ tf32_env(setting.(:tf32))}
+         kernel_cache_env(setting.(:kernel_cache)) ++
+           gpu_env(Keyword.get(opts, :gpu)) ++ tf32_env(setting.(:tf32)) ++ kernel_env(Keyword.get(opts, :cpu_kernels))}
       ])
 
     with {:ok, info} <- await_hello(port, setting.(:hello_timeout)),
@@ -267,6 +273,14 @@ defmodule Moat.Worker do
 
   defp install_hint(:gpu), do: " (MOAT_MLX=cuda13 bin/setup builds the worker on MLX's CUDA backend)"
   defp install_hint(_), do: ""
+
+  defp kernel_env(nil), do: []
+
+  defp kernel_env(set) when set in [:auto, :scalar, :avx2, :avx512, :mlx],
+    do: [{~c"MOAT_CPU_FEATURES", Atom.to_charlist(set)}]
+
+  defp kernel_env(other),
+    do: raise(ArgumentError, ":cpu_kernels must be :auto, :scalar, :avx2, :avx512 or :mlx, got: #{inspect(other)}")
 
   defp worker_log_level(:warning), do: "warn"
   defp worker_log_level(level), do: to_string(level)

@@ -280,6 +280,27 @@ int moat_fast_rope_offsets(const moat_array* x, int dims, int traditional, float
 int moat_fast_sdpa(const moat_array* q, const moat_array* k, const moat_array* v, float scale,
                    const char* mask_mode, const moat_array* mask, moat_array** out);
 
+// The shim's own vectorized CPU kernels (kernels.cpp) of f32, f16 and bf16
+// element-wise functions, computed in f32. moat_kernels_select picks the
+// kernel set once at start: MOAT_KERNELS_AUTO takes AVX-512 when cpuid
+// reports AVX-512F (with AVX2, FMA and F16C), else AVX2 when it reports
+// those three, else scalar; asking for a set the CPU lacks fails.
+// MOAT_KERNELS_MLX leaves the ops to MLX's own CPU kernels (for comparison).
+enum moat_kernels {
+  MOAT_KERNELS_AUTO = -1, MOAT_KERNELS_SCALAR = 0, MOAT_KERNELS_AVX2 = 1, MOAT_KERNELS_AVX512 = 2,
+  MOAT_KERNELS_MLX = 3
+};
+enum moat_kernel_op {
+  MOAT_K_EXP, MOAT_K_EXPM1, MOAT_K_LOG, MOAT_K_LOG1P, MOAT_K_TANH, MOAT_K_SIGMOID,
+  MOAT_K_ERF, MOAT_K_ERFC, MOAT_K_SIN, MOAT_K_COS, MOAT_K_RSQRT,
+};
+int moat_kernels_select(int want, int* selected);
+// op(a); MLX's own op when the default device is not the CPU or the set is
+// MOAT_KERNELS_MLX (except erfc, which MLX lacks: always here, scalar then).
+int moat_kernel_unary(int op, const moat_array* a, moat_array** out);
+// a ** b with broadcasting; operands of one type.
+int moat_kernel_power(const moat_array* a, const moat_array* b, moat_array** out);
+
 #ifdef __cplusplus
 }
 #endif

@@ -5,6 +5,7 @@ use crossbeam_channel::bounded;
 use moat_port::checks::Checks;
 use moat_port::connection::{read_loop, Outgoing, ReaderConfig, Replies};
 use moat_port::frame::Limits;
+use moat_port::mlx::kernels::Kernels;
 use moat_port::mlx::{self, Device, DeviceInfo};
 use moat_port::protocol;
 use moat_port::session::Session;
@@ -125,6 +126,10 @@ fn main() {
         })
         .expect("spawn writer");
 
+    let kernels = Kernels::select_from_env().unwrap_or_else(|e| {
+        eprintln!("moat_port: {e}");
+        std::process::exit(2);
+    });
     // A device that is not there is named as nil in the hello: the client
     // refuses the worker with an error naming the devices it has.
     let devices = devices();
@@ -137,7 +142,7 @@ fn main() {
 
     let offer = shared::offer(opts.shared_memory);
     let shared_memory = !offer.is_atom("nil");
-    replies.send(Outgoing::Frame(hello(&opts, device, &devices, offer)));
+    replies.send(Outgoing::Frame(hello(&opts, kernels, device, &devices, offer)));
 
     if opts.progress_ms > 0 {
         let replies = replies.clone();
@@ -230,7 +235,7 @@ fn device_term(d: &DeviceInfo) -> Term {
     ])
 }
 
-fn hello(opts: &Options, device: Option<Device>, all: &[DeviceInfo], shared_memory: Term) -> Term {
+fn hello(opts: &Options, kernels: Kernels, device: Option<Device>, all: &[DeviceInfo], shared_memory: Term) -> Term {
     let mut kinds: Vec<Device> = all.iter().map(|d| d.kind).collect();
     kinds.dedup();
     let devices = kinds.into_iter().map(|d| Term::atom(d.name()));
@@ -238,6 +243,7 @@ fn hello(opts: &Options, device: Option<Device>, all: &[DeviceInfo], shared_memo
     protocol::hello(vec![
         ("blas", Term::atom(blas)),
         ("chunk_bytes", Term::int(opts.limits.chunk_bytes as u64)),
+        ("cpu", Term::atom(kernels.name())),
         ("device", Term::atom(device.map_or("nil", Device::name))),
         ("device_info", Term::List(all.iter().map(device_term).collect())),
         ("devices", Term::List(devices.collect())),

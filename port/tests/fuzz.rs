@@ -793,7 +793,7 @@ fn a_worker_fed_ops_with_edge_case_attrs_fails_them_and_keeps_serving() {
             .flat_map(|i| ((i % 2) as u64).to_le_bytes()[..bytes].to_vec())
             .collect::<Vec<u8>>()
     };
-    let pool: Vec<(&[i32], &str, u32, Vec<u8>)> = vec![
+    let mut pool: Vec<(&[i32], &str, u32, Vec<u8>)> = vec![
         (&[], "f", 32, f32s(1)),
         (&[3], "f", 32, f32s(3)),
         (&[2, 3], "f", 32, f32s(6)),
@@ -814,11 +814,31 @@ fn a_worker_fed_ops_with_edge_case_attrs_fails_them_and_keeps_serving() {
         (&[], "s", 32, ints(1, 4)),
         (&[2], "c", 64, f32s(4)),
         (&[2], "bf", 16, vec![0x80, 0x3f, 0x00, 0x40]),
+        (&[2, 1], "f", 16, vec![0x00, 0x3c, 0x00, 0xc0]),
     ];
-    let ids: Vec<u64> = (1..=pool.len() as u64).collect();
+    let mut ids: Vec<u64> = (1..=pool.len() as u64).collect();
     for (id, (shape, kind, bits, bytes)) in ids.iter().zip(&pool) {
         w.upload(*id, shape, kind, *bits, bytes);
     }
+    // Non-contiguous inputs: a transposed {3, 2} and a strided {2, 2} view of
+    // the {3, 3} tensor, one left lazy and one evaluated.
+    let views = [(&[3, 2][..], "transpose"), (&[2, 2], "slice")];
+    let view_attrs = [
+        map(vec![("axes", common::ints(&[1, 0]))]),
+        map(vec![
+            ("starts", common::ints(&[0, 0])),
+            ("lengths", common::ints(&[3, 3])),
+            ("strides", common::ints(&[2, 2])),
+        ]),
+    ];
+    for (((shape, op), attrs), input) in views.iter().zip(view_attrs).zip([3, 4]) {
+        let id = ids.len() as u64 + 1;
+        w.request(0, op, &[id], &[input], attrs);
+        ids.push(id);
+        pool.push((shape, "f", 32, vec![]));
+    }
+    w.request(BARRIER - 1, "eval", &[], &[ids.len() as u64], nil());
+    w.recv();
     let start = Instant::now();
     let (mut next_id, mut seq) = (1000u64, 1u64);
     let (mut computed, mut failed) = (0u64, 0u64);

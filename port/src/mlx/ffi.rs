@@ -34,6 +34,10 @@ extern "C" {
     pub fn moat_last_error() -> *const c_char;
     pub fn moat_mlx_version() -> *const c_char;
 
+    pub fn moat_kernels_select(want: c_int, selected: *mut c_int) -> c_int;
+    pub fn moat_kernel_unary(op: c_int, a: *const moat_array, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_kernel_power(a: *const moat_array, b: *const moat_array, out: *mut *mut moat_array) -> c_int;
+
     pub fn moat_device_available(device: c_int, out: *mut c_int) -> c_int;
     pub fn moat_set_default_device(device: c_int) -> c_int;
     #[cfg(feature = "fault-injection")]

@@ -8,6 +8,7 @@ mod array;
 mod compiled;
 mod dtype;
 mod ffi;
+pub mod kernels;
 pub mod memory;
 pub mod ops;
 

@@ -1,10 +1,12 @@
 //! Element-wise ops with MLX broadcasting. Arithmetic converts its inputs to
 //! the output type first, as Nx does; comparisons convert both sides to the
-//! merged input type (attr `input_type`) and yield u8.
+//! merged input type (attr `input_type`) and yield u8. f32, f16 and bf16
+//! transcendentals go to the shim's vectorized CPU kernels (`kernels`).
 
 use super::compose::complex;
 use super::convert::{bits, float_scalar, int_scalar, is_complex, is_integer, is_unsigned, nonzero, zero, zeros_like};
 use super::{attrs, finish, precise, to_out_type, Outputs};
+use crate::mlx::kernels::{self, Op};
 use crate::mlx::{ops, Array, Dtype, Result};
 use crate::term::Term;
 
@@ -68,12 +70,9 @@ macro_rules! unary {
 }
 
 unary! {
-    log => log,
-    log1p => log1p,
     tan => tan,
     cosh => cosh,
     sinh => sinh,
-    tanh => tanh,
     acos => arccos,
     asin => arcsin,
     atan => arctan,
@@ -81,9 +80,49 @@ unary! {
     asinh => arcsinh,
     atanh => arctanh,
     sqrt => sqrt,
-    rsqrt => rsqrt,
     bitwise_not => bitwise_invert,
     conjugate => conjugate,
+}
+
+/// Whether the shim's CPU kernels compute this type.
+fn kernel_type(t: Dtype) -> bool {
+    matches!(t, Dtype::F32 | Dtype::F16 | Dtype::Bf16)
+}
+
+/// `fn name(inputs, attrs)`: the input to the output type, then the shim's
+/// kernel for f32/f16/bf16, the exact rebuild (`precise`) for f64 where MLX
+/// computes f64 in single precision, and MLX's op for the rest (complex).
+macro_rules! kernel {
+    ($($name:ident => $op:ident, f64: $f64:path, else: $mlx:path);* $(;)?) => {$(
+        pub fn $name(x: &[&Array], a: &Term) -> Outputs {
+            let t = to_out_type(x[0], a)?;
+            let out = match t.dtype() {
+                d if kernel_type(d) => kernels::unary(Op::$op, &t),
+                Dtype::F64 => $f64(&t),
+                _ => $mlx(&t),
+            };
+            finish(out, a)
+        }
+    )*};
+}
+
+kernel! {
+    exp => Exp, f64: precise::exp, else: ops::exp;
+    sigmoid => Sigmoid, f64: precise::sigmoid, else: sigmoid_other;
+    cos => Cos, f64: precise::cos, else: ops::cos;
+    sin => Sin, f64: precise::sin, else: ops::sin;
+    erf => Erf, f64: precise::erf, else: ops::erf;
+    erfc => Erfc, f64: precise::erfc, else: erfc_in_f64;
+    expm1 => Expm1, f64: ops::expm1, else: expm1_other;
+    log => Log, f64: ops::log, else: ops::log;
+    log1p => Log1p, f64: ops::log1p, else: ops::log1p;
+    tanh => Tanh, f64: ops::tanh, else: ops::tanh;
+    rsqrt => Rsqrt, f64: ops::rsqrt, else: ops::rsqrt;
+}
+
+/// f64 has an exact erfc (`1 - erf` would lose the small values).
+fn erfc_in_f64(t: &Array) -> Result<Array> {
+    ops::astype(t, Dtype::F64).and_then(|wide| precise::erfc(&wide))
 }
 
 /// `fn name(inputs, attrs)`: like `unary!`, but f64 goes through `precise`
@@ -101,10 +140,6 @@ macro_rules! unary_f64_precise {
 }
 
 unary_f64_precise! {
-    exp => exp,
-    cos => cos,
-    sin => sin,
-    erf => erf,
     erf_inv => erfinv,
 }
 
@@ -229,34 +264,24 @@ fn phase_of(z: &Array) -> Result<Array> {
 
 /// `e^z - 1`; for complex z = x + yi, `expm1(x) cos y - 2 sin^2(y/2)` +
 /// `e^x sin y` i, which keeps the digits of a result near 0.
-pub fn expm1(x: &[&Array], a: &Term) -> Outputs {
-    let t = to_out_type(x[0], a)?;
+fn expm1_other(t: &Array) -> Result<Array> {
     if !is_complex(t.dtype()) {
-        return finish(ops::expm1(&t), a);
+        return ops::expm1(t);
     }
-    let compose = || -> Result<Array> {
-        let (re, im) = (ops::real(&t)?, ops::imag(&t)?);
-        let half_sin = ops::sin(&ops::multiply(&im, &float_scalar(0.5, Dtype::F32)?)?)?;
-        let versine = ops::multiply(&ops::multiply(&half_sin, &half_sin)?, &float_scalar(2.0, Dtype::F32)?)?;
-        let real = ops::subtract(&scale(&ops::expm1(&re)?, &ops::cos(&im)?)?, &versine)?;
-        complex(&real, &scale(&ops::exp(&re)?, &ops::sin(&im)?)?)
-    };
-    finish(compose(), a)
+    let (re, im) = (ops::real(t)?, ops::imag(t)?);
+    let half_sin = ops::sin(&ops::multiply(&im, &float_scalar(0.5, Dtype::F32)?)?)?;
+    let versine = ops::multiply(&ops::multiply(&half_sin, &half_sin)?, &float_scalar(2.0, Dtype::F32)?)?;
+    let real = ops::subtract(&scale(&ops::expm1(&re)?, &ops::cos(&im)?)?, &versine)?;
+    complex(&real, &scale(&ops::exp(&re)?, &ops::sin(&im)?)?)
 }
 
-/// `1 / (1 + e^-z)`; f64 through `precise` (MLX computes it in single
-/// precision).
-pub fn sigmoid(x: &[&Array], a: &Term) -> Outputs {
-    let t = to_out_type(x[0], a)?;
-    match t.dtype() {
-        Dtype::F64 => finish(precise::sigmoid(&t), a),
-        Dtype::C64 => {
-            let one = || float_scalar(1.0, Dtype::C64);
-            let compose = || ops::divide(&one()?, &ops::add(&one()?, &ops::exp(&ops::negative(&t)?)?)?);
-            finish(compose(), a)
-        }
-        _ => finish(ops::sigmoid(&t), a),
+/// `1 / (1 + e^-z)` for complex z.
+fn sigmoid_other(t: &Array) -> Result<Array> {
+    if !is_complex(t.dtype()) {
+        return ops::sigmoid(t);
     }
+    let one = || float_scalar(1.0, t.dtype());
+    ops::divide(&one()?, &ops::add(&one()?, &ops::exp(&ops::negative(t)?)?)?)
 }
 
 /// Complex atan2 takes real values only, as Nx's (Complex.atan2 raises on a
@@ -279,17 +304,14 @@ pub fn atan2(x: &[&Array], a: &Term) -> Outputs {
     finish(complex(&angle, &zeros_like(&angle)?), a)
 }
 
-/// erfc in f64 (`1 - erf` would lose the small values), then back.
-pub fn erfc(x: &[&Array], a: &Term) -> Outputs {
-    let t = to_out_type(x[0], a)?;
-    finish(ops::astype(&t, Dtype::F64).and_then(|wide| precise::erfc(&wide)), a)
-}
-
 /// Integer powers wrap like Nx; a negative exponent (which Nx refuses) gives
 /// the truncated result: 1 for base 1, +-1 for base -1, else 0.
 pub fn pow(x: &[&Array], a: &Term) -> Outputs {
     let (base, exp) = (to_out_type(x[0], a)?, to_out_type(x[1], a)?);
     let t = base.dtype();
+    if kernel_type(t) {
+        return finish(kernels::power(&base, &exp), a);
+    }
     if !is_integer(t) || is_unsigned(t) {
         return finish(ops::power(&base, &exp), a);
     }

@@ -15,7 +15,10 @@ type Checked<T> = Result<T, String>;
 fn float_type(a: &Term) -> Checked<Dtype> {
     match attrs::out_type(a)? {
         Some(t) if t.is_float() && !is_complex(t) => Ok(t),
-        Some(t) => Err(format!("expected a real float type, got {}", crate::protocol::dtype_term(t))),
+        Some(t) => Err(format!(
+            "expected a real float type, got {}",
+            crate::protocol::dtype_term(t)
+        )),
         None => Err("missing attribute type".into()),
     }
 }

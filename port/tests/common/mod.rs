@@ -45,11 +45,32 @@ impl Worker {
 
     /// `start`, with the worker's stderr (its log) going to `stderr`.
     pub fn start_with(extra: &[&str], stderr: Stdio) -> Worker {
+        let mut w = Worker::spawn(extra, &[], stderr);
+        let (hello, _) = w.recv();
+        assert!(
+            matches!(hello.as_tuple(), Some([h, _, _]) if h.is_atom("hello")),
+            "first frame: {hello}"
+        );
+        w.hello = hello;
+        w
+    }
+
+    /// `start` with extra environment variables.
+    pub fn start_env(extra: &[&str], env: &[(&str, &str)]) -> Worker {
+        let mut w = Worker::spawn(extra, env, Stdio::inherit());
+        let (hello, _) = w.recv();
+        w.hello = hello;
+        w
+    }
+
+    /// The worker process, its hello not yet read.
+    pub fn spawn(extra: &[&str], env: &[(&str, &str)], stderr: Stdio) -> Worker {
         let (req_r, req_w) = pipe();
         let (rep_r, rep_w) = pipe();
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_moat_port"));
         cmd.args(["--generation", "3"])
             .args(extra)
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stderr(stderr);
         cmd.fd_mappings(vec![
@@ -64,20 +85,13 @@ impl Worker {
         ])
         .expect("fd mappings");
         let child = cmd.spawn().expect("spawn moat_port");
-        let mut w = Worker {
+        Worker {
             child,
             to: req_w.into(),
             from: rep_r.into(),
             generation: 3,
             hello: Term::atom("nil"),
-        };
-        let (hello, _) = w.recv();
-        assert!(
-            matches!(hello.as_tuple(), Some([h, _, _]) if h.is_atom("hello")),
-            "first frame: {hello}"
-        );
-        w.hello = hello;
-        w
+        }
     }
 
     pub fn send(&mut self, header: Term, payload: &[u8]) {

@@ -1,0 +1,205 @@
+// The shim's vectorized CPU kernels as an MLX primitive: built into the lazy
+// graph like MLX's own ops, evaluated on MLX's CPU stream thread, split over
+// the cores for large inputs. The kernel set (AVX2 or scalar) is chosen once
+// at start from what cpuid reports.
+#include <atomic>
+#include <iterator>
+#include <stdexcept>
+#include <thread>
+
+#include "kernels.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/primitives.h"
+#include "shim_core.hpp"
+
+using namespace moat;
+namespace k = moat::kernels;
+
+namespace {
+
+std::atomic<k::Kernel> selected{k::run_scalar};
+// MOAT_KERNELS_MLX: MLX's own kernels instead.
+std::atomic<bool> use_mlx{false};
+
+const char* const kNames[k::OP_COUNT + 1] = {
+    "MoatExp", "MoatExpm1", "MoatLog", "MoatLog1p", "MoatTanh", "MoatSigmoid",
+    "MoatErf", "MoatErfc", "MoatSin", "MoatCos", "MoatRsqrt", "MoatPow", "MoatPow",
+};
+
+// Elements below which one more thread costs more than it saves: ~20 us to
+// start a thread against ~0.5 ns (exp) to ~15 ns (erfc) an element.
+size_t min_per_thread(k::Op op) {
+  switch (op) {
+    case k::EXP: case k::SIGMOID: case k::RSQRT: case k::SIN: case k::COS: case k::POW_SCALAR: return 1 << 16;
+    default: return 1 << 14;
+  }
+}
+
+// The threads take blocks from a shared counter, so that one that starts
+// late (the machine is busy) takes fewer instead of holding the op up.
+void run_parallel(k::Kernel kernel, k::Op op, k::Storage st, const char* a, const char* b, char* out,
+                  size_t n, size_t esize) {
+  size_t cores = std::max(1u, std::min(std::thread::hardware_concurrency(), 16u));
+  size_t threads = std::max<size_t>(1, std::min(cores, n / min_per_thread(op)));
+  const size_t block = 1 << 14;
+  std::atomic<size_t> next{0};
+  auto work = [&] {
+    for (size_t lo; (lo = next.fetch_add(block)) < n;) {
+      const char* b_part = op == k::POW_SCALAR || !b ? b : b + lo * esize;
+      kernel(op, st, a + lo * esize, b_part, out + lo * esize, std::min(block, n - lo));
+    }
+  };
+  std::vector<std::thread> helpers;
+  try {
+    helpers.reserve(threads - 1);
+    for (size_t t = 1; t < threads; ++t) helpers.emplace_back(work);
+  } catch (const std::exception&) {
+    // No thread (or memory) to be had: the threads there are take its blocks.
+  }
+  work();
+  for (auto& t : helpers) t.join();
+}
+
+k::Storage storage(mx::Dtype t) {
+  if (t == mx::float32) return k::F32;
+  if (t == mx::float16) return k::F16;
+  if (t == mx::bfloat16) return k::BF16;
+  throw std::invalid_argument("[moat kernels] only float32, float16 and bfloat16 are supported");
+}
+
+class Kernel : public mx::UnaryPrimitive {
+ public:
+  Kernel(mx::Stream s, k::Op op) : mx::UnaryPrimitive(s), op_(op) {}
+
+  // Inputs are contiguous (the builder ensures it) and, for POW, of one
+  // layout, or the exponent is one element; the output takes the first
+  // input's layout.
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    const mx::array& a = inputs[0];
+    k::Op op = op_;
+    if (op == k::POW && !(inputs[1].flags().row_contiguous && a.flags().row_contiguous)) {
+      if (inputs[1].data_size() != 1) throw std::logic_error("[MoatPow] operands of different layouts");
+      op = k::POW_SCALAR;
+    }
+    if (a.is_donatable() && a.itemsize() == out.itemsize()) {
+      out.copy_shared_buffer(a);
+    } else {
+      out.set_data(mx::allocator::malloc(a.data_size() * out.itemsize()), a.data_size(), a.strides(),
+                   a.flags());
+    }
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (auto& in : inputs) encoder.set_input_array(in);
+    encoder.set_output_array(out);
+    encoder.dispatch([kernel = selected.load(), op, st = storage(a.dtype()),
+                      pa = a.data<char>(), pb = inputs.size() > 1 ? inputs[1].data<char>() : nullptr,
+                      po = out.data<char>(), n = a.data_size(), esize = a.itemsize()] {
+      run_parallel(kernel, op, st, pa, pb, po, n, esize);
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error(std::string("[") + name() + "] has no GPU kernel");
+  }
+
+  const char* name() const override { return kNames[op_]; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return static_cast<const Kernel&>(other).op_ == op_;
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+
+ private:
+  k::Op op_;
+};
+
+// x itself when it is known to be laid out as the kernel needs (evaluated
+// and contiguous, or row-contiguous when `row` is set), else a copy that is.
+mx::array laid_out(const mx::array& x, bool row, mx::Stream s) {
+  if (x.status() != mx::array::Status::unscheduled &&
+      (row ? x.flags().row_contiguous : x.flags().contiguous)) {
+    return x;
+  }
+  return mx::contiguous(x, !row, s);
+}
+
+bool ours() { return mx::default_device() == mx::Device::cpu && !use_mlx.load(); }
+
+mx::array mlx_op(k::Op op, const mx::array& x) {
+  switch (op) {
+    case k::EXP: return mx::exp(x);
+    case k::EXPM1: return mx::expm1(x);
+    case k::LOG: return mx::log(x);
+    case k::LOG1P: return mx::log1p(x);
+    case k::TANH: return mx::tanh(x);
+    case k::SIGMOID: return mx::sigmoid(x);
+    case k::ERF: return mx::erf(x);
+    case k::SIN: return mx::sin(x);
+    case k::COS: return mx::cos(x);
+    case k::RSQRT: return mx::rsqrt(x);
+    default: throw std::invalid_argument("[moat kernels] unknown unary op");
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+int moat_kernels_select(int want, int* selected_out) {
+  return guard([&] {
+#if defined(__x86_64__)
+    __builtin_cpu_init();
+    bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                __builtin_cpu_supports("f16c");
+    bool avx512 = avx2 && __builtin_cpu_supports("avx512f");
+    const k::Kernel sets[] = {k::run_scalar, k::run_avx2, k::run_avx512};
+#else
+    bool avx2 = false, avx512 = false;
+    const k::Kernel sets[] = {k::run_scalar};
+#endif
+    if (want == MOAT_KERNELS_AVX2 && !avx2) throw std::invalid_argument("this CPU lacks AVX2, FMA or F16C");
+    if (want == MOAT_KERNELS_AVX512 && !avx512) throw std::invalid_argument("this CPU lacks AVX-512F");
+    int best = avx512 ? MOAT_KERNELS_AVX512 : avx2 ? MOAT_KERNELS_AVX2 : MOAT_KERNELS_SCALAR;
+    int got = want == MOAT_KERNELS_AUTO ? best : want;
+    use_mlx.store(got == MOAT_KERNELS_MLX);
+    if (got == MOAT_KERNELS_MLX) {
+      selected.store(k::run_scalar);  // erfc, which MLX lacks
+    } else if (got >= 0 && got < static_cast<int>(std::size(sets))) {
+      selected.store(sets[got]);
+    } else {
+      throw std::invalid_argument("unknown kernel set");
+    }
+    *selected_out = got;
+  });
+}
+
+int moat_kernel_unary(int op, const moat_array* a, moat_array** out) {
+  return produce(out, [&] {
+    if (op < 0 || op >= k::POW) throw std::invalid_argument("[moat kernels] unknown unary op");
+    const mx::array& x = arr(a);
+    // MLX has no erfc (1 - erf loses the small values): it always runs here.
+    if (!ours() && op != k::ERFC) return mlx_op(static_cast<k::Op>(op), x);
+    storage(x.dtype());
+    auto s = mx::default_stream(mx::Device::cpu);
+    auto in = laid_out(x, false, s);
+    return mx::array(x.shape(), x.dtype(), std::make_shared<Kernel>(s, static_cast<k::Op>(op)), {in});
+  });
+}
+
+int moat_kernel_power(const moat_array* a, const moat_array* b, moat_array** out) {
+  return produce(out, [&] {
+    if (!ours()) return mx::power(arr(a), arr(b));
+    if (arr(a).dtype() != arr(b).dtype()) throw std::invalid_argument("[moat power] operand types differ");
+    storage(arr(a).dtype());
+    auto s = mx::default_stream(mx::Device::cpu);
+    auto both = mx::broadcast_arrays({arr(a), arr(b)}, s);
+    // One exponent stays one element (a broadcast view of it) for POW_SCALAR.
+    std::vector<mx::array> in = {laid_out(both[0], true, s),
+                                 arr(b).size() == 1 ? both[1] : laid_out(both[1], true, s)};
+    return mx::array(both[0].shape(), both[0].dtype(), std::make_shared<Kernel>(s, k::POW), std::move(in));
+  });
+}
+
+}  // extern "C"

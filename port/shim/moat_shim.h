@@ -31,6 +31,9 @@ const char* moat_last_error(void);
 const char* moat_mlx_version(void);
 
 // Devices
+// The fault-injection build only (fault.cpp): a GPU kernel that writes
+// through a wild pointer.
+int moat_fault_device_write(void);
 int moat_device_available(int device, int* out);
 int moat_set_default_device(int device);
 int moat_device_count(int device, int* out);

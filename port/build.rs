@@ -73,6 +73,7 @@ fn main() {
 
     let mut libs = mlx_libs(&mlx);
     libs.extend(link_blas());
+    libs.extend(sleef());
     link_libs(&libs);
     println!("cargo:rustc-link-search=native={}", lib.display());
     println!("cargo:rustc-link-lib=dylib=mlx");
@@ -154,6 +155,20 @@ fn link_blas() -> Vec<(String, PathBuf)> {
             Vec::new()
         }
     }
+}
+
+/// SLEEF, which Debian ships only as a shared library: carried in `lib/`
+/// like OpenBLAS, so a release runs where libsleef3 is not installed.
+fn sleef() -> Vec<(String, PathBuf)> {
+    [
+        "/usr/lib/x86_64-linux-gnu/libsleef.so.3",
+        "/usr/lib/aarch64-linux-gnu/libsleef.so.3",
+    ]
+    .iter()
+    .map(Path::new)
+    .find(|p| p.exists())
+    .map(|p| vec![("libsleef.so.3".to_string(), p.to_path_buf())])
+    .unwrap_or_default()
 }
 
 /// What `lib` loads, by ldd, less what every glibc system has (glibc itself,

@@ -152,7 +152,6 @@ fn c_type(t: &str) -> String {
         ["uint8_t"] => "u8",
         ["float"] => "f32",
         ["double"] => "f64",
-        ["float"] => "f32",
         [name] if name.starts_with("moat_") => name,
         other => panic!("moat_shim.h: no Rust mapping for C type {other:?} (in {t:?})"),
     }

@@ -612,7 +612,7 @@ defmodule Moat.Client do
         end
 
       {^port, {:exit_status, status}} ->
-        {:error, Error.new(:worker_died, op, Moat.Worker.describe_exit(status))}
+        {:error, Error.new(:worker_died, op, Error.describe_exit(status))}
     after
       timeout -> {:error, Error.new(:timeout, op, "no reply from the worker within #{timeout} ms")}
     end

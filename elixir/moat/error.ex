@@ -89,4 +89,16 @@ defmodule Moat.Error do
 
   defp hint(:memory_limit), do: " (Moat.set_memory_limit/1)"
   defp hint(_kind), do: ""
+
+  @doc false
+  # How the worker's process ended, from its exit status (the port's).
+  def describe_exit(status) when status > 128, do: "killed by signal #{status - 128}#{signal_name(status - 128)}"
+  def describe_exit(101), do: "exited with status 101 (a panic; the worker's log has its message)"
+  def describe_exit(75), do: "exited with status 75 (a CUDA fault made its GPU context unusable)"
+  def describe_exit(status), do: "exited with status #{status}"
+
+  defp signal_name(n) do
+    names = %{6 => "SIGABRT", 8 => "SIGFPE", 9 => "SIGKILL", 11 => "SIGSEGV", 15 => "SIGTERM"}
+    if name = names[n], do: " (#{name})", else: ""
+  end
 end

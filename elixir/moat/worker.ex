@@ -94,7 +94,7 @@ defmodule Moat.Worker do
   require Logger
   import Bitwise, only: [<<<: 2]
 
-  alias Moat.{Client, Config, Finalizer, Protocol, Releaser, Shared}
+  alias Moat.{Client, Config, Error, Finalizer, Protocol, Releaser, Shared}
 
   @u64 1 <<< 64
 
@@ -304,7 +304,7 @@ defmodule Moat.Worker do
         end
 
       {^port, {:exit_status, status}} ->
-        {:stop, {:worker_died, describe_exit(status)}}
+        {:stop, {:worker_died, Error.describe_exit(status)}}
     after
       timeout ->
         Port.close(port)
@@ -351,7 +351,7 @@ defmodule Moat.Worker do
   end
 
   def handle_info({port, {:exit_status, status}}, %{conn: %{port: port}} = state) do
-    how = state.hung || describe_exit(status)
+    how = state.hung || Error.describe_exit(status)
     Logger.error("Moat worker #{inspect(state.conn.name)} (generation #{state.conn.generation}) died: #{how}")
     {:stop, {:shutdown, {:worker_died, how}}, %{state | down: how}}
   end
@@ -465,16 +465,5 @@ defmodule Moat.Worker do
     end
 
     state
-  end
-
-  @doc false
-  def describe_exit(status) when status > 128, do: "killed by signal #{status - 128}#{signal_name(status - 128)}"
-  def describe_exit(101), do: "exited with status 101 (a panic; the worker's log has its message)"
-  def describe_exit(75), do: "exited with status 75 (a CUDA fault made its GPU context unusable)"
-  def describe_exit(status), do: "exited with status #{status}"
-
-  defp signal_name(n) do
-    names = %{6 => "SIGABRT", 8 => "SIGFPE", 9 => "SIGKILL", 11 => "SIGSEGV", 15 => "SIGTERM"}
-    if name = names[n], do: " (#{name})", else: ""
   end
 end

@@ -59,11 +59,17 @@ defmodule Moat.ConfigTest do
     end
   end
 
-  test "device is read when a tensor is created" do
+  test "device is read when a worker starts" do
     Application.put_env(:moat, :device, :gpu)
 
     try do
-      assert_raise ArgumentError, ~r/device :gpu is not available/, fn -> Nx.tensor([1.0], backend: Moat.Backend) end
+      if :gpu in Moat.Worker.info().devices do
+        assert {:ok, _} = start_supervised({Moat.Worker, name: :device_by_config})
+        assert Moat.Worker.info(:device_by_config).device == :gpu
+      else
+        assert {:error, reason} = start_supervised({Moat.Worker, name: :device_by_config})
+        assert inspect(reason) =~ "device :gpu is not available"
+      end
     after
       Application.delete_env(:moat, :device)
     end

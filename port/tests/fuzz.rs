@@ -13,7 +13,8 @@
 //!   serving, without crashing;
 //! * a real worker fed every graph op of protocol.md with edge-case
 //!   attributes (zeros, negatives, wrong lengths, huge counts, any term) and
-//!   inputs evaluates each or fails it, without crashing.
+//!   inputs, alone or as the step of a program, evaluates each or fails it,
+//!   without crashing.
 
 mod common;
 
@@ -858,7 +859,34 @@ fn a_worker_fed_ops_with_edge_case_attrs_fails_them_and_keeps_serving() {
         let attrs = map(pairs);
         let outs: Vec<u64> = (next_id..next_id + outs_of(op, &mut rng)).collect();
         next_id += outs.len() as u64 + 1;
-        w.request(0, op, &outs, &ins, attrs.clone());
+        let program = rng.chance(50).then(|| {
+            next_id += 1;
+            next_id
+        });
+        match program {
+            // The same op as the one step of a program, defined and run.
+            Some(id) => {
+                let (n_in, n_out) = (ins.len() as u64, outs.len() as u64);
+                let slots = |r: std::ops::Range<u64>| Term::List(r.map(Term::int).collect());
+                let step = Term::tuple(vec![
+                    Term::atom(op),
+                    slots(0..n_in),
+                    slots(n_in..n_in + n_out),
+                    attrs.clone(),
+                ]);
+                let definition = map(vec![
+                    ("id", Term::int(id)),
+                    ("slots", Term::int(n_in + n_out)),
+                    ("inputs", slots(0..n_in)),
+                    ("outputs", slots(n_in..n_in + n_out)),
+                    ("steps", Term::List(vec![step])),
+                ]);
+                w.request(0, "define_program", &[], &[], definition);
+                w.request(0, "run_program", &outs, &ins, Term::int(id));
+                w.request(0, "release_program", &[], &[], Term::List(vec![Term::int(id)]));
+            }
+            None => w.request(0, op, &outs, &ins, attrs.clone()),
+        }
         w.request(seq, "eval", &[], &outs, nil());
         loop {
             let Some((reply, _)) = w.try_recv() else {

@@ -13,7 +13,12 @@ defmodule Moat.Compiler.Cache do
   #
   # Each holds at most `config :moat, max_programs:` (256) entries per kind
   # (programs: per worker); the least recently used goes first, and an
-  # evicted program is released in its worker.
+  # evicted program is released in its worker. A call that read a program's
+  # id just before another process evicted it may reach the worker after
+  # the release: its outputs are then poisoned ("program N is not
+  # defined"), never wrong, and the next call defines the program again.
+  # Only the least recently used entry is evicted, so this takes a bound
+  # far below the programs in use.
 
   alias Moat.{Client, Error}
 

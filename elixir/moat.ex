@@ -202,13 +202,14 @@ defmodule Moat do
   defp metadata(ref), do: ref |> call!(:metadata) |> elem(0)
 
   @doc """
-  Evaluates tensors now, raising the first failure among them.
+  Evaluates tensors now, raising the first failure among them. Takes a
+  `Moat.Backend` tensor, a handle (`Moat.Ref`), or a list of them.
   """
-  @spec eval(Ref.t() | [Ref.t()]) :: :ok
+  @spec eval(Nx.Tensor.t() | Ref.t() | [Nx.Tensor.t() | Ref.t()]) :: :ok
   def eval([]), do: :ok
 
-  def eval(refs) do
-    [%Ref{worker: worker} | _] = refs = List.wrap(refs)
+  def eval(tensors) do
+    [%Ref{worker: worker} | _] = refs = refs!(tensors, :eval)
 
     :telemetry.span([:moat, :eval], %{worker: worker, count: length(refs)}, fn ->
       conn = Client.conn(worker)
@@ -222,13 +223,29 @@ defmodule Moat do
   Starts evaluating tensors and returns at once; errors surface at the next
   blocking call on them.
   """
-  @spec async_eval(Ref.t() | [Ref.t()]) :: :ok
+  @spec async_eval(Nx.Tensor.t() | Ref.t() | [Nx.Tensor.t() | Ref.t()]) :: :ok
   def async_eval([]), do: :ok
 
-  def async_eval(refs) do
-    [%Ref{worker: worker} | _] = refs = List.wrap(refs)
+  def async_eval(tensors) do
+    [%Ref{worker: worker} | _] = refs = refs!(tensors, :async_eval)
     conn = Client.conn(worker)
     Client.cast(conn, :async_eval, [], Client.ids!(conn, refs, :async_eval), nil)
+  end
+
+  defp refs!(tensors, op) do
+    for tensor <- List.wrap(tensors) do
+      case tensor do
+        %Ref{} = ref ->
+          ref
+
+        %Nx.Tensor{data: %Moat.Backend{ref: %Ref{} = ref}} ->
+          ref
+
+        other ->
+          raise ArgumentError,
+                "Moat.#{op}: expected Moat.Backend tensors or Moat.Ref handles, got: #{inspect(other)}"
+      end
+    end
   end
 
   ## Memory

@@ -30,6 +30,16 @@ defmodule Moat.WorkerTest do
       assert Moat.dtype(ints) == {:s, 64}
     end
 
+    test "eval/1 and async_eval/1 take Nx tensors too, and refuse other backends' by name" do
+      t = Nx.tensor([1.0, 2.0], backend: Moat.Backend) |> Nx.exp()
+      assert Moat.eval(t) == :ok
+      assert Moat.async_eval([t, t.data.ref]) == :ok
+
+      assert_raise ArgumentError, ~r/Moat.eval: expected Moat.Backend tensors/, fn ->
+        Moat.eval(Nx.tensor([1.0], backend: Nx.BinaryBackend))
+      end
+    end
+
     test "f64 is held as f64, never downcast" do
       ref = Moat.from_binary(<<0.1::float-64-native>>, {1}, {:f, 64})
       assert Moat.to_binary(ref) == <<0.1::float-64-native>>

@@ -25,9 +25,9 @@ defmodule Moat.NotebooksTest do
     end
   end
 
-  @tag :tmp_dir
-  test "a cell that raises fails the notebook, naming the cell", %{tmp_dir: tmp} do
-    notebook = Path.join(tmp, "broken.livemd")
+  test "a cell that raises fails the notebook, naming the cell" do
+    notebook = Path.join(System.tmp_dir!(), "moat-broken-#{System.unique_integer([:positive])}.livemd")
+    on_exit(fn -> File.rm(notebook) end)
 
     File.write!(notebook, """
     # Broken

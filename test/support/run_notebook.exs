@@ -1,11 +1,11 @@
-defmodule Moat.Notebook do
+defmodule Moat.NotebookRunner do
   @moduledoc false
   # Runs a Livebook notebook (.livemd) the way Livebook's default runtime
-  # does: every ```elixir cell in order, each evaluated with the binding and
-  # the environment (aliases, imports, requires) the cells before it left.
-  # The first cell is the notebook's `Mix.install` setup cell; here Moat is
-  # already compiled and on the code path, so that cell is checked, not
-  # run, and Moat is started as Mix.install would start it.
+  # does: a fresh VM, then every ```elixir cell in order, each evaluated
+  # with the binding and the environment (aliases, imports, requires) the
+  # cells before it left; the first cell is the notebook's Mix.install.
+  #
+  #   elixir test/support/run_notebook.exs NOTEBOOK
 
   @doc "The notebook's elixir cells, in order."
   @spec cells(Path.t()) :: [String.t()]
@@ -17,20 +17,15 @@ defmodule Moat.Notebook do
 
   @doc """
   Runs the notebook at `path`; prints each cell's number as it starts and
-  halts with status 1, naming the cell, on the first one that raises.
+  halts with status 1, naming the cell, at the first one that raises.
   """
   @spec run!(Path.t()) :: no_return()
   def run!(path) do
-    [setup | cells] = cells(path)
+    path = Path.expand(path)
+    cells = cells(path)
+    env = Code.env_for_eval(file: path)
 
-    if not (setup =~ "Mix.install(" and setup =~ "{:moat,") do
-      fail(path, 1, "the first cell is not the Mix.install setup cell:\n#{setup}")
-    end
-
-    {:ok, _} = Application.ensure_all_started(:moat)
-    env = Code.env_for_eval(file: Path.expand(path))
-
-    Enum.reduce(Enum.with_index(cells, 2), {[], env}, fn {code, n}, {binding, env} ->
+    Enum.reduce(Enum.with_index(cells, 1), {[], env}, fn {code, n}, {binding, env} ->
       IO.puts("--- cell #{n}")
 
       try do
@@ -44,7 +39,7 @@ defmodule Moat.Notebook do
       end
     end)
 
-    IO.puts("--- #{length(cells) + 1} cells ran")
+    IO.puts("--- #{length(cells)} cells ran")
     System.halt(0)
   end
 
@@ -52,4 +47,9 @@ defmodule Moat.Notebook do
     IO.puts("--- cell #{n} of #{path} failed:\n#{why}")
     System.halt(1)
   end
+end
+
+case System.argv() do
+  [notebook] -> Moat.NotebookRunner.run!(notebook)
+  _ -> :ok
 end

@@ -537,7 +537,7 @@ impl<R: Read> MessageSource<R> {
         while let Some(envelope) = self.next_message()? {
             match envelope {
                 Envelope::Open(open) => return Ok(Some(open)),
-                other => log::warn!("message before the session's open ignored: {other:?}"),
+                other => log::debug!("message before the session's open ignored: {other:?}"),
             }
         }
         Ok(None)

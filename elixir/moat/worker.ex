@@ -211,7 +211,7 @@ defmodule Moat.Worker do
 
   # A local worker: its port, opened here. A remote one: its session's pid.
   defp start_worker(nil, opts, setting, _generation, args) do
-    path = setting.(:worker_path) || worker_path()
+    path = executable(opts)
 
     port =
       Port.open({:spawn_executable, path}, [
@@ -263,8 +263,13 @@ defmodule Moat.Worker do
     end
   end
 
-  defp worker_path do
-    System.get_env("MOAT_WORKER") || Application.app_dir(:moat, "priv/moat_port")
+  @doc """
+  The `moat_port` executable a local worker started with `opts` runs (see
+  `:worker_path`); the same binary runs as a remote worker's C-node.
+  """
+  @spec executable(keyword()) :: Path.t()
+  def executable(opts \\ []) do
+    Config.get(opts, :worker_path) || System.get_env("MOAT_WORKER") || Application.app_dir(:moat, "priv/moat_port")
   end
 
   defp device_arg!(device) when device in [:cpu, :gpu], do: Atom.to_string(device)
@@ -419,6 +424,9 @@ defmodule Moat.Worker do
   def terminate(reason, %{conn: conn} = state) do
     if state.down do
       Client.record_down(conn, state.down)
+      # New calls wait for the next generation (Client.conn/1) instead of
+      # reaching this one.
+      Client.unpublish(conn)
     else
       # A normal stop (application shutdown): closing the port gives the
       # worker end of input, and it exits.

@@ -30,7 +30,7 @@ defmodule Moat.Client do
 
   require Logger
 
-  alias Moat.{Error, Finalizer, Protocol, Ref, Releaser, Shared}
+  alias Moat.{Config, Error, Finalizer, Protocol, Ref, Releaser, Remote, Shared}
 
   @enforce_keys [:name, :port, :generation, :incarnation, :owner, :table, :counters, :releaser]
   defstruct [
@@ -50,7 +50,7 @@ defmodule Moat.Client do
 
   @type t :: %__MODULE__{
           name: atom(),
-          port: port(),
+          port: port() | pid(),
           generation: pos_integer(),
           incarnation: non_neg_integer(),
           owner: pid(),
@@ -90,11 +90,52 @@ defmodule Moat.Client do
   @doc false
   def acked(%__MODULE__{counters: c}), do: :atomics.get(c, @acked)
 
-  @doc "The current connection of the worker registered as `name`; raises when none is running."
+  @doc """
+  The current connection of the worker registered as `name`. While that
+  worker is restarting or reconnecting, waits for it up to
+  `config :moat, :restart_wait` ms; raises `:worker_unavailable` when none
+  is running by then.
+  """
   @spec conn(atom()) :: t()
   def conn(name) do
-    :persistent_term.get({__MODULE__, name}, nil) ||
-      raise Error.new(:worker_unavailable, nil, "no Moat worker named #{inspect(name)} is running")
+    :persistent_term.get({__MODULE__, name}, nil) || await_conn(name)
+  end
+
+  defp await_conn(name) do
+    wait = Config.get(:restart_wait)
+    deadline = System.monotonic_time(:millisecond) + wait
+    restarting? = restarting?(name)
+    await_conn(name, deadline, restarting?, if(restarting?, do: wait, else: 0))
+  end
+
+  defp await_conn(name, deadline, restarting?, wait) do
+    case :persistent_term.get({__MODULE__, name}, nil) do
+      %__MODULE__{} = conn ->
+        conn
+
+      nil ->
+        if restarting? and System.monotonic_time(:millisecond) < deadline do
+          Process.sleep(10)
+          await_conn(name, deadline, restarting?(name), wait)
+        else
+          waited = if wait > 0, do: " (waited #{wait} ms for it to restart)", else: ""
+          raise Error.new(:worker_unavailable, nil, "no Moat worker named #{inspect(name)} is running#{waited}")
+        end
+    end
+  end
+
+  # Its process is starting (connecting, for a remote worker), or its last
+  # generation died and its supervisor is about to start the next; a worker
+  # stopped on purpose is not restarting.
+  defp restarting?(name) do
+    case Process.whereis(name) do
+      pid when is_pid(pid) ->
+        pid != self()
+
+      nil ->
+        g = last_generation(name)
+        g > 0 and match?({^g, _}, :persistent_term.get({__MODULE__, name, :down}, nil))
+    end
   end
 
   @doc false
@@ -749,14 +790,18 @@ defmodule Moat.Client do
   defp exit_reason(reason), do: reason
 
   defp command(conn, op, iodata) do
-    Port.command(conn.port, iodata)
+    transmit(conn.port, iodata)
     :atomics.add(conn.counters, @sent, 1)
     Process.delete(@pinned)
     :ok
   rescue
     e in ArgumentError ->
       # Only a closed port is the worker's doing.
-      if Port.info(conn.port), do: reraise(e, __STACKTRACE__)
+      if not is_port(conn.port) or Port.info(conn.port), do: reraise(e, __STACKTRACE__)
       raise Error.new(:worker_unavailable, op, cause(conn))
   end
+
+  # A local worker's port, or a remote worker's session (Moat.Remote).
+  defp transmit(port, iodata) when is_port(port), do: Port.command(port, iodata)
+  defp transmit(session, iodata), do: Remote.command(session, iodata)
 end

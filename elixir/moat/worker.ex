@@ -12,7 +12,8 @@ defmodule Moat.Worker do
   Handles from the old generation then raise a `:stale_generation`
   `Moat.Error`.
 
-  Both events carry `:worker`, `:generation` and `:os_pid`; `:down` adds
+  Both events carry `:worker`, `:generation`, `:os_pid` and `:node` (where
+  the worker runs: this node, or a remote worker's C-node); `:down` adds
   `:reason`, how the worker ended (`"killed by signal 11 (SIGSEGV)"`, or the
   exit reason of a normal stop). Callers that reach a dead worker get a
   `Moat.Error` naming the same cause. The application's supervisor restarts a
@@ -25,6 +26,15 @@ defmodule Moat.Worker do
   key of the same name (`Moat.Config`), read when the worker starts.
 
     * `:name` - registered name, also the key of the connection (default `Moat.Worker`)
+    * `:node` - the name of a worker that runs as an Erlang C-node, on this
+      host or another (`moat_port --node NAME@HOST --cookie-file PATH`; see
+      `Moat.Remote`): this process connects to it instead of starting one,
+      and reconnects, with backoff for up to `:hello_timeout`, each time its
+      node goes down; every connection is a new generation. Options that
+      set the worker's process (`:worker_path`, `:gpu`, `:tf32`,
+      `:cpu_kernels`, `:kernel_cache`, `:log_level`, `:device`, frame
+      limits, debug checks) are the C-node's own command line there; the
+      watchdog and shared memory are off.
     * `:worker_path` - the `moat_port` executable (default: `$MOAT_WORKER`,
       else the one built into this application's `priv/`, beside the
       libraries it loads in `priv/lib`)
@@ -94,7 +104,7 @@ defmodule Moat.Worker do
   require Logger
   import Bitwise, only: [<<<: 2]
 
-  alias Moat.{Client, Config, Error, Finalizer, Protocol, Releaser, Shared}
+  alias Moat.{Client, Config, Error, Finalizer, Protocol, Releaser, Remote, Shared}
 
   @u64 1 <<< 64
 
@@ -158,24 +168,13 @@ defmodule Moat.Worker do
 
     device = setting.(:device)
     args = if device, do: args ++ ["--device", device_arg!(device)], else: args
-    watchdog = watchdog!(setting.(:watchdog))
+    node = Keyword.get(opts, :node)
+    watchdog = if node, do: nil, else: watchdog!(setting.(:watchdog))
     args = if watchdog, do: args ++ ["--progress-ms", "#{tick(watchdog)}"], else: args
-    path = setting.(:worker_path) || worker_path()
 
-    port =
-      Port.open({:spawn_executable, path}, [
-        :binary,
-        {:packet, 4},
-        :exit_status,
-        :nouse_stdio,
-        {:args, args},
-        {:env,
-         kernel_cache_env(setting.(:kernel_cache)) ++
-           gpu_env(Keyword.get(opts, :gpu)) ++ tf32_env(setting.(:tf32)) ++ kernel_env(Keyword.get(opts, :cpu_kernels))}
-      ])
-
-    with {:ok, info} <- await_hello(port, setting.(:hello_timeout)),
+    with {:ok, port, info} <- start_worker(node, opts, setting, generation, args),
          {:ok, info} <- check_device(port, device, info) do
+      chunk = min(chunk, Map.get(info, :chunk_bytes, chunk))
       warn_without_finalizer()
       {:ok, releaser} = Releaser.start_link(gc_nudge: setting.(:gc_nudge))
 
@@ -201,13 +200,45 @@ defmodule Moat.Worker do
       :telemetry.execute([:moat, :worker, :up], %{system_time: System.system_time()}, %{
         worker: name,
         generation: generation,
-        os_pid: info.os_pid
+        os_pid: info.os_pid,
+        node: worker_node(info)
       })
 
       if watchdog, do: Process.send_after(self(), :watchdog, tick(watchdog))
       {:ok, %{conn: conn, waiters: [], down: nil, hung: nil, watchdog: watchdog, progress: {0, now_ms()}}}
     end
   end
+
+  # A local worker: its port, opened here. A remote one: its session's pid.
+  defp start_worker(nil, opts, setting, _generation, args) do
+    path = executable(opts)
+
+    port =
+      Port.open({:spawn_executable, path}, [
+        :binary,
+        {:packet, 4},
+        :exit_status,
+        :nouse_stdio,
+        {:args, args},
+        {:env,
+         kernel_cache_env(setting.(:kernel_cache)) ++
+           gpu_env(Keyword.get(opts, :gpu)) ++ tf32_env(setting.(:tf32)) ++ kernel_env(Keyword.get(opts, :cpu_kernels))}
+      ])
+
+    with {:ok, info} <- await_hello(port, setting.(:hello_timeout)), do: {:ok, port, info}
+  end
+
+  defp start_worker(node, _opts, setting, generation, _args) do
+    case Remote.open(node, generation, setting.(:hello_timeout)) do
+      {:ok, pid, info} -> {:ok, pid, info}
+      {:error, why} -> {:stop, why}
+    end
+  end
+
+  defp worker_node(info), do: Map.get(info, :node, node())
+
+  defp close(port) when is_port(port), do: Port.close(port)
+  defp close(pid), do: Remote.close(pid)
 
   # Before the connection is published, so no request can precede it.
   defp set_memory_limit(_conn, nil), do: :ok
@@ -232,8 +263,13 @@ defmodule Moat.Worker do
     end
   end
 
-  defp worker_path do
-    System.get_env("MOAT_WORKER") || Application.app_dir(:moat, "priv/moat_port")
+  @doc """
+  The `moat_port` executable a local worker started with `opts` runs (see
+  `:worker_path`); the same binary runs as a remote worker's C-node.
+  """
+  @spec executable(keyword()) :: Path.t()
+  def executable(opts \\ []) do
+    Config.get(opts, :worker_path) || System.get_env("MOAT_WORKER") || Application.app_dir(:moat, "priv/moat_port")
   end
 
   defp device_arg!(device) when device in [:cpu, :gpu], do: Atom.to_string(device)
@@ -261,7 +297,7 @@ defmodule Moat.Worker do
   # A worker names in its hello the device it runs ops on, or nil when the
   # one asked for is not there.
   defp check_device(port, wanted, %{device: nil} = info) do
-    Port.close(port)
+    close(port)
 
     {:stop,
      {:no_device,
@@ -356,6 +392,12 @@ defmodule Moat.Worker do
     {:stop, {:shutdown, {:worker_died, how}}, %{state | down: how}}
   end
 
+  def handle_info({:nodedown, node}, %{conn: %{port: pid}} = state) when is_pid(pid) and node(pid) == node do
+    how = "its node #{node} went down (the connection is lost; a new one is a new generation)"
+    Logger.error("Moat worker #{inspect(state.conn.name)} (generation #{state.conn.generation}): #{how}")
+    {:stop, {:shutdown, {:worker_died, how}}, %{state | down: how}}
+  end
+
   def handle_info({:EXIT, port, reason}, %{conn: %{port: port}} = state) do
     how = "its port closed (#{inspect(reason)})"
     {:stop, {:shutdown, {:worker_died, how}}, %{state | down: how}}
@@ -382,13 +424,16 @@ defmodule Moat.Worker do
   def terminate(reason, %{conn: conn} = state) do
     if state.down do
       Client.record_down(conn, state.down)
+      # New calls wait for the next generation (Client.conn/1) instead of
+      # reaching this one.
+      Client.unpublish(conn)
     else
       # A normal stop (application shutdown): closing the port gives the
       # worker end of input, and it exits.
       Client.unpublish(conn)
 
       try do
-        Port.close(conn.port)
+        close(conn.port)
       rescue
         ArgumentError -> :ok
       end
@@ -398,6 +443,7 @@ defmodule Moat.Worker do
       worker: conn.name,
       generation: conn.generation,
       os_pid: conn.info.os_pid,
+      node: worker_node(conn.info),
       reason: state.down || reason
     })
   end

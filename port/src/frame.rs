@@ -152,6 +152,37 @@ pub fn write_frame(w: &mut impl Write, header: &Term, payload: &[u8]) -> io::Res
     w.write_all(payload)
 }
 
+/// The head of a frame whose whole body (what follows the packet length)
+/// is in memory, by the rules `FrameReader` applies to a stream, and where
+/// its payload starts in `body`.
+pub fn head_of(body: &[u8], limits: &Limits) -> (Head, usize) {
+    let oversized = body.len() > limits.max_frame_bytes;
+    let refused = |why: String| {
+        let head = Head {
+            header: Err(DecodeError(why)),
+            payload_len: 0,
+            oversized,
+        };
+        (head, body.len())
+    };
+    if body.len() < 4 {
+        return refused("packet shorter than its header length".into());
+    }
+    let header_len = u32::from_be_bytes([body[0], body[1], body[2], body[3]]) as usize;
+    let rest = body.len() - 4;
+    if header_len > rest || header_len > limits.max_header_bytes {
+        return refused(format!(
+            "header length {header_len} exceeds the packet ({rest} bytes) or the header limit"
+        ));
+    }
+    let head = Head {
+        header: term::decode(&body[4..4 + header_len]),
+        payload_len: rest - header_len,
+        oversized,
+    };
+    (head, 4 + header_len)
+}
+
 /// Splits a frame body (what follows the packet length) into header and payload.
 pub fn split_body(body: &[u8]) -> Result<(Term, &[u8]), DecodeError> {
     if body.len() < 4 {

@@ -1,6 +1,9 @@
 //! Moat's MLX worker. `main.rs` wires the threads; the modules follow the
 //! layers of protocol.md: `term` and `frame` (bytes), `protocol` (typed
-//! headers), `connection` (reader and writer threads), `session` (the MLX
+//! headers), `connection` (framing: where frames come from and go),
+//! `incoming` (requests from frames: upload reassembly and staging),
+//! `replies` (the way out, readbacks in chunks), `cnode` (the Erlang
+//! distribution transport), `session` (the MLX
 //! thread), `failure` (failures as data), `checks` (what every op's outputs
 //! must pass), `registry` (ids to arrays), `program` (graphs defined once and
 //! run many times), `budget` (the memory limit), `shared` (same-host transfers
@@ -9,16 +12,19 @@
 
 pub mod budget;
 pub mod checks;
+pub mod cnode;
 pub mod connection;
 pub mod failure;
 #[cfg(feature = "fault-injection")]
 pub mod fault;
 pub mod frame;
+pub mod incoming;
 pub mod mlx;
 pub mod ops;
 pub mod program;
 pub mod protocol;
 pub mod registry;
+pub mod replies;
 // Its request handlers are named after the protocol's ops (`from_binary`, `to_binary`).
 #[allow(clippy::wrong_self_convention)]
 pub mod session;

@@ -3,12 +3,13 @@
 
 use crate::budget::{self, budget, EvalError, Pressure};
 use crate::checks::Checks;
-use crate::connection::{Incoming, Outgoing, Replies, Upload};
+use crate::incoming::{Incoming, Upload};
 use crate::mlx::{Array, Evaluated};
 use crate::ops;
 use crate::program::Programs;
 use crate::protocol::{self, Id, Malformed, Request};
 use crate::registry::{Failure, Registry};
+use crate::replies::{Outgoing, Replies};
 use crate::term::Term;
 use crossbeam_channel::{Receiver, TryRecvError};
 use std::collections::HashMap;

@@ -240,6 +240,12 @@ pub fn os_pid() -> u32 {
     std::process::id()
 }
 
+/// The real user id of this process.
+pub fn uid() -> u32 {
+    // SAFETY: getuid has no preconditions and cannot fail.
+    unsafe { libc::getuid() }
+}
+
 /// The exit status of a worker whose GPU context was lost (a CUDA fault).
 pub const EXIT_GPU_LOST: i32 = 75;
 

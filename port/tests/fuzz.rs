@@ -21,9 +21,11 @@ mod common;
 use common::report;
 use common::*;
 use crossbeam_channel::unbounded;
-use moat_port::connection::{read_loop, Incoming, ReaderConfig, Replies};
+use moat_port::connection::{pipe_source, PipeSink};
 use moat_port::frame::{split_body, write_frame, FrameReader, Limits};
+use moat_port::incoming::{read_loop, Incoming, ReaderConfig};
 use moat_port::protocol::{map, Request};
+use moat_port::replies::Replies;
 use moat_port::term::{decode, encode, Term};
 use std::io::Cursor;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -543,14 +545,15 @@ fn the_reader_turns_every_packet_into_exactly_one_message() {
             rest = &rest[4 + n..];
         }
         let (tx, rx) = unbounded();
-        let (replies, _writer) = Replies::new(std::io::sink(), 1024, limits.chunk_bytes);
+        let (replies, _writer) = Replies::new(PipeSink::new(std::io::sink()), 1024, limits.chunk_bytes);
         let config = ReaderConfig {
             limits,
             generation: 3,
             shared_memory: false,
             replies,
         };
-        read_loop(Cursor::new(input), config, tx).expect("a well-framed stream never breaks the reader");
+        read_loop(pipe_source(Cursor::new(input), limits), config, tx)
+            .expect("a well-framed stream never breaks the reader");
         let messages: Vec<Incoming> = rx.try_iter().collect();
         assert_eq!(messages.len(), packets, "one message per packet");
         // Every call that could be read is answered: it reaches the session

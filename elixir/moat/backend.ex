@@ -851,8 +851,10 @@ defmodule Moat.Backend do
     op(out, :fast_rope, args, attrs)
   end
 
-  defp fast_block(%Moat.Fast.SDPA{scale: scale, causal: causal}, out, args),
-    do: op(out, :fast_sdpa, args, %{scale: scale, causal: causal, type: out.type})
+  defp fast_block(%Moat.Fast.SDPA{scale: scale, causal: causal, extras: extras}, out, args),
+    do: op(out, :fast_sdpa, args, %{scale: scale, causal: causal, extras: extras, type: out.type})
+
+  defp fast_block(%Moat.KVCache.Write{axis: axis}, out, args), do: op(out, :kv_write, args, %{axis: axis})
 
   defp fast_block(_struct, _output, _args), do: :default
 

@@ -42,7 +42,9 @@ defmodule Moat.Fast do
 
   defmodule SDPA do
     @moduledoc false
-    defstruct scale: nil, causal: false
+    # extras: the roles of the inputs after q, k, v, in order (a subset of
+    # [:mask, :lengths, :starts, :sinks]).
+    defstruct scale: nil, causal: false, extras: []
   end
 
   ## RMS norm
@@ -279,32 +281,96 @@ defmodule Moat.Fast do
       positions, so with `Tq > Tk` the first rows see nothing); or a
       tensor broadcastable to `{B, Hq, Tq, Tk}`: a float mask is added to
       the scores, an integer one (`u8`, as Nx's comparisons give) is boolean,
-      non-zero where a query may attend. A row in which no key is kept is
-      not defined.
+      non-zero where a query may attend;
+    * `:lengths` — an integer tensor, `{B}` or a scalar: row `b` attends to
+      keys `j < lengths[b]` only (the valid prefix of a KV cache; values are
+      clamped to `0..Tk`). With `mask: :causal` the queries are the last
+      `Tq` positions of that prefix: query `i` sees `j <= lengths[b] - Tq + i`;
+    * `:starts` — an integer tensor, `{B}` or a scalar: keys `j < starts[b]`
+      are masked (left padding in batched decoding);
+    * `:sinks` — a `{Hq}` tensor of attention-sink logits: one extra logit
+      per query head in the softmax's denominator, with no value.
+
+  A row in which no key is kept is not defined (Moat's CPU kernel gives
+  zeros, the reference the mean of V).
+
+  On Moat's CPU worker, without a `:mask` tensor, this is the worker's
+  one-pass kernel (scores, softmax and the weighted sum per query row,
+  over the kept keys only, vectorized for the kernel set picked at start:
+  see `MOAT_CPU_FEATURES`); otherwise MLX's `fast` kernel.
   """
   @spec scaled_dot_product_attention(Nx.Tensor.t(), Nx.Tensor.t(), Nx.Tensor.t(), keyword()) :: Nx.Tensor.t()
   def scaled_dot_product_attention(q, k, v, opts \\ []) do
-    opts = keyword!(opts, scale: nil, mask: nil)
+    opts = keyword!(opts, scale: nil, mask: nil, lengths: nil, starts: nil, sinks: nil)
     [q, k, v] = floats!(:scaled_dot_product_attention, [q, k, v])
+    # Sinks take the output type; they do not widen it.
+    sinks =
+      case opts[:sinks] do
+        nil -> []
+        s -> Enum.map(floats!(:scaled_dot_product_attention, [s]), &Nx.as_type(&1, q.type))
+      end
+
     {b, hq, tq, d, _hkv, tk, dv} = attention_shapes!(q, k, v)
     scale = if opts[:scale], do: opts[:scale] * 1.0, else: 1.0 / :math.sqrt(d)
     out = Nx.template({b, hq, tq, dv}, q.type)
 
-    case opts[:mask] do
-      nil ->
-        Nx.block(%SDPA{scale: scale}, [q, k, v], out, &sdpa_ref(&1, &2, &3, &4, nil))
+    {causal, mask} =
+      case opts[:mask] do
+        nil -> {false, []}
+        :causal -> {true, []}
+        mask -> {false, [mask: mask!(Nx.to_tensor(mask), {b, hq, tq, tk})]}
+      end
 
-      :causal ->
-        Nx.block(%SDPA{scale: scale, causal: true}, [q, k, v], out, &sdpa_ref(&1, &2, &3, &4, nil))
+    extras =
+      Enum.reject(
+        mask ++
+          [
+            lengths: per_batch!(opts[:lengths], :lengths, b),
+            starts: per_batch!(opts[:starts], :starts, b),
+            sinks: sinks!(sinks, hq)
+          ],
+        fn {_, t} -> t == nil end
+      )
 
-      mask ->
-        mask = Nx.to_tensor(mask)
-        mask!(mask, {b, hq, tq, tk})
-        Nx.block(%SDPA{scale: scale}, [q, k, v, mask], out, &sdpa_ref/5)
-    end
+    struct = %SDPA{scale: scale, causal: causal, extras: Keyword.keys(extras)}
+    Nx.block(struct, [q, k, v | Keyword.values(extras)], out, sdpa_fun(length(extras)))
   end
 
-  defp sdpa_ref(%SDPA{scale: scale, causal: causal}, q, k, v, mask) do
+  # Nx.block/4 applies its function to the arguments one by one.
+  defp sdpa_fun(0), do: &sdpa_ref(&1, &2, &3, &4, [])
+  defp sdpa_fun(1), do: &sdpa_ref(&1, &2, &3, &4, [&5])
+  defp sdpa_fun(2), do: &sdpa_ref(&1, &2, &3, &4, [&5, &6])
+  defp sdpa_fun(3), do: &sdpa_ref(&1, &2, &3, &4, [&5, &6, &7])
+  defp sdpa_fun(4), do: &sdpa_ref(&1, &2, &3, &4, [&5, &6, &7, &8])
+
+  defp per_batch!(nil, _name, _b), do: nil
+
+  defp per_batch!(t, name, b) do
+    t = Nx.to_tensor(t)
+
+    unless Nx.Type.integer?(t.type) and t.shape in [{}, {b}] do
+      raise ArgumentError,
+            "Moat.Fast.scaled_dot_product_attention: :#{name} must be an integer scalar or {#{b}} " <>
+              "(one per batch), got #{inspect(t.type)} of shape #{inspect(t.shape)}"
+    end
+
+    t
+  end
+
+  defp sinks!([], _hq), do: nil
+
+  defp sinks!([s], hq) do
+    unless s.shape == {hq} do
+      raise ArgumentError,
+            "Moat.Fast.scaled_dot_product_attention: :sinks must have shape {#{hq}} (one logit per " <>
+              "query head), got #{inspect(s.shape)}"
+    end
+
+    s
+  end
+
+  defp sdpa_ref(%SDPA{scale: scale, causal: causal, extras: roles}, q, k, v, extras) do
+    extras = Map.new(Enum.zip(roles, extras))
     {b, hq, tq, d} = q.shape
     {_, hkv, tk, dv} = v.shape
     {c, t} = {compute(q), q.type}
@@ -313,26 +379,47 @@ defmodule Moat.Fast do
     qg = q |> Nx.as_type(c) |> Nx.multiply(scale) |> Nx.reshape({b, hkv, reps * tq, d})
     scores = Nx.dot(qg, [3], [0, 1], Nx.as_type(k, c), [3], [0, 1]) |> Nx.reshape({b, hq, tq, tk})
     floor = Nx.Constants.min_finite(c)
+    keys = Nx.iota({1, 1, 1, tk})
+    bound = fn x -> x |> Nx.as_type({:s, 64}) |> Nx.clip(0, tk) |> Nx.broadcast({b}) |> Nx.reshape({b, 1, 1, 1}) end
+    ends = if l = extras[:lengths], do: bound.(l), else: Nx.broadcast(tk, {b, 1, 1, 1})
+
+    keep =
+      Enum.reduce(
+        [
+          causal && Nx.less_equal(keys, Nx.add(Nx.subtract(ends, tq), Nx.iota({1, 1, tq, 1}))),
+          extras[:lengths] && Nx.less(keys, ends),
+          extras[:starts] && Nx.greater_equal(keys, bound.(extras[:starts]))
+        ],
+        nil,
+        fn
+          x, acc when x in [nil, false] -> acc
+          x, nil -> x
+          x, acc -> Nx.logical_and(x, acc)
+        end
+      )
+
+    scores = if keep, do: Nx.select(Nx.broadcast(keep, scores.shape), scores, floor), else: scores
 
     scores =
-      cond do
-        causal ->
-          rows = Nx.add(Nx.iota({tq, 1}), tk - tq)
-          Nx.select(Nx.broadcast(Nx.greater_equal(rows, Nx.iota({1, tk})), scores.shape), scores, floor)
-
-        mask == nil ->
+      case extras[:mask] do
+        nil ->
           scores
 
-        Nx.Type.integer?(mask.type) ->
-          Nx.select(Nx.broadcast(mask, scores.shape), scores, floor)
-
-        true ->
-          Nx.add(scores, Nx.as_type(mask, c))
+        mask ->
+          if Nx.Type.integer?(mask.type),
+            do: Nx.select(Nx.broadcast(mask, scores.shape), scores, floor),
+            else: Nx.add(scores, Nx.as_type(mask, c))
       end
 
-    top = Nx.reduce_max(scores, axes: [-1], keep_axes: true)
+    sinks = if s = extras[:sinks], do: s |> Nx.as_type(c) |> Nx.reshape({1, hq, 1, 1}) |> Nx.broadcast({b, hq, tq, 1})
+
+    top =
+      Nx.reduce_max(if(sinks, do: Nx.concatenate([scores, sinks], axis: 3), else: scores), axes: [-1], keep_axes: true)
+
     e = Nx.exp(Nx.subtract(scores, top))
-    probs = Nx.divide(e, Nx.sum(e, axes: [-1], keep_axes: true)) |> Nx.reshape({b, hkv, reps * tq, tk})
+    sum = Nx.sum(e, axes: [-1], keep_axes: true)
+    sum = if sinks, do: Nx.add(sum, Nx.exp(Nx.subtract(sinks, top))), else: sum
+    probs = Nx.divide(e, sum) |> Nx.reshape({b, hkv, reps * tq, tk})
 
     probs
     |> Nx.dot([3], [0, 1], Nx.as_type(v, c), [2], [0, 1])
@@ -352,7 +439,7 @@ defmodule Moat.Fast do
     end
   end
 
-  defp mask!(%Nx.Tensor{shape: shape, type: type}, scores) do
+  defp mask!(%Nx.Tensor{shape: shape, type: type} = mask, scores) do
     rank = tuple_size(shape)
 
     fits =
@@ -371,7 +458,7 @@ defmodule Moat.Fast do
                 "to the scores' #{inspect(scores)}"
 
       true ->
-        :ok
+        mask
     end
   end
 
@@ -398,8 +485,7 @@ defmodule Moat.Fast do
   def reference(%Rope{offset: nil} = s, [x, offsets | freqs]), do: rope_ref(s, x, offsets, List.first(freqs))
   def reference(%Rope{} = s, [x]), do: rope_ref(s, x, nil, nil)
   def reference(%Rope{} = s, [x, freqs]), do: rope_ref(s, x, nil, freqs)
-  def reference(%SDPA{} = s, [q, k, v]), do: sdpa_ref(s, q, k, v, nil)
-  def reference(%SDPA{} = s, [q, k, v, mask]), do: sdpa_ref(s, q, k, v, mask)
+  def reference(%SDPA{} = s, [q, k, v | extras]), do: sdpa_ref(s, q, k, v, extras)
 
   ## Helpers
 

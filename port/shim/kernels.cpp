@@ -18,6 +18,7 @@ namespace k = moat::kernels;
 namespace {
 
 std::atomic<k::Kernel> selected{k::run_scalar};
+std::atomic<const k::Rows*> selected_rows{&k::rows_scalar};
 // MOAT_KERNELS_MLX: MLX's own kernels instead.
 std::atomic<bool> use_mlx{false};
 
@@ -145,6 +146,8 @@ mx::array mlx_op(k::Op op, const mx::array& x) {
 
 }  // namespace
 
+const k::Rows* k::cpu_rows() { return ours() ? selected_rows.load() : nullptr; }
+
 extern "C" {
 
 int moat_kernels_select(int want, int* selected_out) {
@@ -155,9 +158,11 @@ int moat_kernels_select(int want, int* selected_out) {
                 __builtin_cpu_supports("f16c");
     bool avx512 = avx2 && __builtin_cpu_supports("avx512f");
     const k::Kernel sets[] = {k::run_scalar, k::run_avx2, k::run_avx512};
+    const k::Rows* row_sets[] = {&k::rows_scalar, &k::rows_avx2, &k::rows_avx512};
 #else
     bool avx2 = false, avx512 = false;
     const k::Kernel sets[] = {k::run_scalar};
+    const k::Rows* row_sets[] = {&k::rows_scalar};
 #endif
     if (want == MOAT_KERNELS_AVX2 && !avx2) throw std::invalid_argument("this CPU lacks AVX2, FMA or F16C");
     if (want == MOAT_KERNELS_AVX512 && !avx512) throw std::invalid_argument("this CPU lacks AVX-512F");
@@ -168,6 +173,7 @@ int moat_kernels_select(int want, int* selected_out) {
       selected.store(k::run_scalar);  // erfc, which MLX lacks
     } else if (got >= 0 && got < static_cast<int>(std::size(sets))) {
       selected.store(sets[got]);
+      selected_rows.store(row_sets[got]);
     } else {
       throw std::invalid_argument("unknown kernel set");
     }

@@ -31,4 +31,30 @@ void run_avx2(Op op, Storage st, const void* a, const void* b, void* out, size_t
 void run_avx512(Op op, Storage st, const void* a, const void* b, void* out, size_t n);
 #endif
 
+// One-pass row kernels (kernels_rows.inc, kernels_scalar.cpp), per set.
+// Elements are `Storage`; arithmetic is f32; strides count elements.
+struct Rows {
+  // out = round(x * rsqrt(mean(x^2) + eps)) * w over one row of n (w may be
+  // null), rounding to the storage type after the normalization and after
+  // the weight, as MLX's composition does.
+  void (*rms_norm)(Storage st, const void* x, const void* w, void* out, size_t n, float eps);
+  // One query row's attention over keys [lo, hi): out[0..dv) =
+  // sum_j softmax_j(scale * q.k_j, with the sink's logit in the
+  // denominator when has_sink) v_j; k_j at k + j * ks, v_j at v + j * vs.
+  // scratch holds hi - lo floats, acc dv floats. An empty range gives 0.
+  void (*attend)(Storage st, const void* q, const void* k, size_t ks, const void* v, size_t vs, size_t d,
+                 size_t dv, size_t lo, size_t hi, float scale, bool has_sink, float sink, float* scratch,
+                 float* acc, void* out);
+};
+
+// The selected set's row kernels, or null when MLX's own kernels are to run
+// (MOAT_CPU_FEATURES=mlx, or the default device is not the CPU).
+const Rows* cpu_rows();
+
+extern const Rows rows_scalar;
+#if defined(__x86_64__)
+extern const Rows rows_avx2;
+extern const Rows rows_avx512;
+#endif
+
 }  // namespace moat::kernels

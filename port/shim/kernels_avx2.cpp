@@ -104,7 +104,17 @@ void store(Storage st, void* p, size_t i, V v) {
 
 #include "kernels_simd.inc"
 
+float hsum(V v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_hadd_ps(s, s);
+  return _mm_cvtss_f32(_mm_hadd_ps(s, s));
+}
+
+#include "kernels_rows.inc"
+
 }  // namespace
+
+const Rows rows_avx2 = {rms_norm_row, attend_row};
 
 void run_avx2(Op op, Storage st, const void* a, const void* b, void* out, size_t n) { run(op, st, a, b, out, n); }
 

@@ -109,7 +109,13 @@ void store(Storage st, void* p, size_t i, V v) {
 
 #include "kernels_simd.inc"
 
+float hsum(V v) { return _mm512_reduce_add_ps(v); }
+
+#include "kernels_rows.inc"
+
 }  // namespace
+
+const Rows rows_avx512 = {rms_norm_row, attend_row};
 
 void run_avx512(Op op, Storage st, const void* a, const void* b, void* out, size_t n) { run(op, st, a, b, out, n); }
 

@@ -88,7 +88,55 @@ void pow_scalar(Storage st, const void* a, const void* e, void* out, size_t n) {
   }
 }
 
+// v rounded to the storage type and back (MLX rounds between ops).
+float rounded(Storage st, float v) {
+  float t[1];
+  store(st, t, 0, v);
+  return load(st, t, 0);
+}
+
+float dot_row(Storage st, const void* a, const void* b, size_t n) {
+  float s = 0.0f;
+  for (size_t i = 0; i < n; ++i) s = std::fma(load(st, a, i), load(st, b, i), s);
+  return s;
+}
+
+size_t esize(Storage st) { return st == F32 ? 4 : 2; }
+
+void rms_norm_row(Storage st, const void* x, const void* w, void* out, size_t n, float eps) {
+  float r = 1.0f / std::sqrt(dot_row(st, x, x, n) / static_cast<float>(n) + eps);
+  for (size_t i = 0; i < n; ++i) {
+    float y = rounded(st, load(st, x, i) * r);
+    store(st, out, i, w ? y * load(st, w, i) : y);
+  }
+}
+
+// As kernels_rows.inc's attend_row.
+void attend_row(Storage st, const void* q, const void* k, size_t ks, const void* v, size_t vs, size_t d,
+                size_t dv, size_t lo, size_t hi, float scale, bool has_sink, float sink, float* scratch,
+                float* acc, void* out) {
+  size_t n = hi > lo ? hi - lo : 0;
+  const char* kb = static_cast<const char*>(k);
+  const char* vb = static_cast<const char*>(v);
+  float top = has_sink ? sink : -INFINITY;
+  for (size_t j = 0; j < n; ++j) {
+    scratch[j] = scale * dot_row(st, q, kb + (lo + j) * ks * esize(st), d);
+    top = std::fmax(top, scratch[j]);
+  }
+  float sum = has_sink ? Sleef_expf_u10(sink - top) : 0.0f;
+  for (size_t j = 0; j < n; ++j) sum += scratch[j] = Sleef_expf_u10(scratch[j] - top);
+  for (size_t i = 0; i < dv; ++i) acc[i] = 0.0f;
+  for (size_t j = 0; j < n; ++j) {
+    const void* vj = vb + (lo + j) * vs * esize(st);
+    for (size_t i = 0; i < dv; ++i) acc[i] = std::fma(scratch[j], load(st, vj, i), acc[i]);
+  }
+  float inv = n ? 1.0f / sum : 0.0f;
+  for (size_t i = 0; i < dv; ++i) store(st, out, i, acc[i] * inv);
+}
+
 }  // namespace
+
+const Rows rows_scalar = {rms_norm_row, attend_row};
 
 void run_scalar(Op op, Storage st, const void* a, const void* b, void* out, size_t n) {
   if (op == POW_SCALAR) return pow_scalar(st, a, b, out, n);

@@ -279,9 +279,14 @@ int moat_fast_rope(const moat_array* x, int dims, int traditional, float base, f
 int moat_fast_rope_offsets(const moat_array* x, int dims, int traditional, float base,
                            float scale, const moat_array* offset, const moat_array* freqs,
                            moat_array** out);
-// mask_mode: "" (mask or none) or "causal".
-int moat_fast_sdpa(const moat_array* q, const moat_array* k, const moat_array* v, float scale,
-                   const char* mask_mode, const moat_array* mask, moat_array** out);
+// Attention; causal aligns the queries with the last keys (of the valid
+// prefix when lengths is given); mask (boolean or additive), lengths and
+// starts (integer {B}: keys j < starts[b] or j >= lengths[b] are masked) and
+// sinks ({Hq} logits) may be null. On the CPU without a mask: the shim's
+// one-pass kernel.
+int moat_fast_attention(const moat_array* q, const moat_array* k, const moat_array* v, float scale,
+                        int causal, const moat_array* mask, const moat_array* lengths,
+                        const moat_array* starts, const moat_array* sinks, moat_array** out);
 
 // The shim's own vectorized CPU kernels (kernels.cpp) of f32, f16 and bf16
 // element-wise functions, computed in f32. moat_kernels_select picks the

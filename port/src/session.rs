@@ -237,6 +237,9 @@ impl Session {
                 for (id, array) in req.outs.iter().zip(arrays) {
                     self.registry.insert(*id, array);
                 }
+                if ops::MOVES_FIRST_INPUT.contains(&req.op.as_str()) {
+                    self.move_out(req);
+                }
                 self.reply(req.seq, Term::atom("nil"));
             }
             Ok(arrays) => {
@@ -250,6 +253,17 @@ impl Session {
             }
             Err(failure) => self.fail(req.seq, &req.outs, failure),
         }
+    }
+
+    /// Lets go of the first input's handle, so that the op's node holds the
+    /// only one (see `ops::cache`); the id now reads as this failure.
+    fn move_out(&mut self, req: &Request) {
+        let (id, out) = (req.ins[0], req.outs[0]);
+        let message = format!(
+            "tensor id {id} was written in place into tensor {out} by {} (Moat.KVCache.update/3 spends the cache it is given: use the one it returns)",
+            req.op
+        );
+        self.registry.poison(id, Failure::new(&req.op, message));
     }
 
     fn define_upload(&mut self, req: &Request, upload: Option<Upload>) {

@@ -97,6 +97,62 @@ defmodule Moat.FastTest do
       end
     end
 
+    for type <- @types do
+      @type_ type
+      test "attention over a valid prefix: lengths, starts, causal, sinks #{inspect(type)}" do
+        q = random(9, {3, 4, 2, 16}, @type_)
+        k = random(10, {3, 2, 9, 16}, @type_)
+        v = random(11, {3, 2, 9, 8}, @type_)
+        lengths = Nx.tensor([9, 5, 2])
+        starts = Nx.tensor([0, 1, 0])
+        sinks = Nx.tensor([0.5, -1.0, 2.0, 0.0])
+
+        for opts <- [
+              [lengths: lengths],
+              [lengths: lengths, mask: :causal],
+              [lengths: Nx.tensor(6), starts: starts, mask: :causal],
+              [starts: starts],
+              [sinks: sinks],
+              [sinks: sinks, lengths: lengths, starts: starts, mask: :causal, scale: 0.3],
+              [lengths: lengths, mask: Nx.greater(Nx.iota({3, 1, 2, 9}), 1)]
+            ] do
+          assert_fused(&Fast.scaled_dot_product_attention(&1, &2, &3, opts), [q, k, v], @type_)
+        end
+      end
+    end
+
+    test "attention's one-pass kernel agrees across kernel sets (scalar forced)" do
+      name = :"fast_scalar_#{System.unique_integer([:positive])}"
+      start_supervised!({Moat.Worker, name: name, cpu_kernels: :scalar}, id: name)
+      on = &Nx.backend_copy(&1, {Moat.Backend, worker: name})
+
+      for type <- @types do
+        {q, k, v} =
+          {random(12, {2, 8, 1, 40}, type), random(13, {2, 2, 33, 40}, type), random(14, {2, 2, 33, 24}, type)}
+
+        {x, w} = {random(15, {3, 70}, type), random(16, {70}, type)}
+        opts = [lengths: Nx.tensor([33, 20]), starts: Nx.tensor([3, 0]), mask: :causal, sinks: random(17, {8})]
+        tol = Map.fetch!(@tolerance, type)
+        reference = Fast.scaled_dot_product_attention(q, k, v, opts)
+
+        scalar =
+          Fast.scaled_dot_product_attention(
+            on.(q),
+            on.(k),
+            on.(v),
+            Enum.map(opts, fn {o, t} -> {o, if(is_struct(t), do: on.(t), else: t)} end)
+          )
+
+        assert_all_close!(Nx.backend_transfer(scalar, Nx.BinaryBackend), reference, tol)
+
+        assert_all_close!(
+          Nx.backend_transfer(Fast.rms_norm(on.(x), on.(w)), Nx.BinaryBackend),
+          Fast.rms_norm(x, w),
+          tol
+        )
+      end
+    end
+
     test "f64 takes the reference composition on Moat (MLX's kernels compute it in f32)" do
       x = random(1, {2, 8}, {:f, 64})
       w = random(2, {8}, {:f, 64})

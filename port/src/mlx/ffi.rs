@@ -442,13 +442,16 @@ extern "C" {
         freqs: *const moat_array,
         out: *mut *mut moat_array,
     ) -> c_int;
-    pub fn moat_fast_sdpa(
+    pub fn moat_fast_attention(
         q: *const moat_array,
         k: *const moat_array,
         v: *const moat_array,
         scale: f32,
-        mask_mode: *const c_char,
+        causal: c_int,
         mask: *const moat_array,
+        lengths: *const moat_array,
+        starts: *const moat_array,
+        sinks: *const moat_array,
         out: *mut *mut moat_array,
     ) -> c_int;
 }

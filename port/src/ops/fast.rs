@@ -154,14 +154,44 @@ pub fn rope(x: &[&Array], a: &Term) -> Outputs {
     finish(mlx(), a)
 }
 
-/// `[q, k, v]` or `[q, k, v, mask]`, each of q, k, v `{B, H, T, D}` with
-/// `k`/`v` holding a divisor of q's heads (grouped-query attention, not
-/// tiled): attrs `scale`, `causal`, `type`. An integer mask is boolean
-/// (non-zero attends); a float mask is added to the scores.
+/// The roles of sdpa's inputs after `q, k, v`, in their order.
+const EXTRAS: &[&str] = &["mask", "lengths", "starts", "sinks"];
+
+/// `[q, k, v]` and the inputs attr `extras` names (any of `mask`, `lengths`,
+/// `starts`, `sinks`, in that order; without the attr, a fourth input is the
+/// mask), each of q, k, v `{B, H, T, D}` with `k`/`v` holding a divisor of
+/// q's heads (grouped-query attention, not tiled): attrs `scale`, `causal`,
+/// `type`. An integer mask is boolean (non-zero attends); a float mask is
+/// added to the scores. `lengths` and `starts` are integer `{B}` (or
+/// scalars): keys before `starts[b]` and from `lengths[b]` on are masked,
+/// and a causal mask aligns the queries with the last valid keys. `sinks`
+/// is `{Hq}`: one logit per query head in the softmax's denominator.
 pub fn sdpa(x: &[&Array], a: &Term) -> Outputs {
-    if x.len() > 4 {
-        return Err(format!("expected 3 or 4 inputs (q, k, v, mask), got {}", x.len()));
+    let roles: Vec<&str> = match a.get("extras") {
+        None => EXTRAS[..x.len().saturating_sub(3).min(1)].to_vec(),
+        Some(t) => {
+            let list = t.as_list().ok_or_else(|| format!("extras must be a list, got {t}"))?;
+            let roles = list
+                .iter()
+                .map(|r| attrs::atom(r).map_err(|e| e.to_string()))
+                .collect::<Result<Vec<_>, _>>()?;
+            let order: Vec<Option<usize>> = roles.iter().map(|r| EXTRAS.iter().position(|e| e == r)).collect();
+            if order.iter().any(Option::is_none) || !order.windows(2).all(|w| w[0] < w[1]) {
+                return Err(format!(
+                    "extras must be some of {EXTRAS:?}, in that order, got {roles:?}"
+                ));
+            }
+            roles
+        }
+    };
+    if x.len() != 3 + roles.len() {
+        return Err(format!(
+            "expected {} inputs (q, k, v and {roles:?}), got {}",
+            3 + roles.len(),
+            x.len()
+        ));
     }
+    let extra = |role: &str| roles.iter().position(|r| *r == role).map(|i| x[3 + i]);
     let t = float_type(a)?;
     let (q, k, v) = (to_out_type(x[0], a)?, to_out_type(x[1], a)?, to_out_type(x[2], a)?);
     let (qs, ks, vs) = (q.shape(), k.shape(), v.shape());
@@ -180,17 +210,52 @@ pub fn sdpa(x: &[&Array], a: &Term) -> Outputs {
         return Err(format!("q's {} heads are not a multiple of k's {}", qs[1], ks[1]));
     }
     let scale = attrs::float(attrs::field(a, "scale")?)? as f32;
-    let mode = if attrs::boolean(attrs::field(a, "causal")?)? {
-        "causal"
-    } else {
-        ""
-    };
-    let mask = match x.get(3) {
+    let causal = attrs::boolean(attrs::field(a, "causal")?)?;
+    let mask = match extra("mask") {
         None => None,
         Some(m) if m.dtype() == Dtype::Bool => Some(m.share()?),
         Some(m) if m.dtype().is_float() && !is_complex(m.dtype()) => Some(ops::astype(m, t)?),
         Some(m) if !is_complex(m.dtype()) => Some(nonzero(m)?),
         Some(_) => return Err("a complex mask is neither boolean nor additive".into()),
     };
-    finish(ops::fast_sdpa(&q, &k, &v, scale, mode, mask.as_ref()), a)
+    let per_batch = |role: &str| -> Checked<Option<Array>> {
+        let Some(p) = extra(role) else { return Ok(None) };
+        if !super::convert::is_integer(p.dtype()) || !(p.shape().is_empty() || p.shape() == [qs[0]]) {
+            return Err(format!(
+                "{role} must be an integer scalar or one per batch ([{}]), got {} of shape {:?}",
+                qs[0],
+                crate::protocol::dtype_term(p.dtype()),
+                p.shape()
+            ));
+        }
+        // Clamped in s64 first, so that no value wraps in the cast to s32.
+        let wide = ops::astype(p, Dtype::S64)?;
+        let high = Array::scalar(ks[2] as i64)?;
+        let clamped = ops::minimum(&ops::maximum(&wide, &Array::scalar(0i64)?)?, &high)?;
+        Ok(Some(ops::broadcast_to(&ops::astype(&clamped, Dtype::S32)?, &[qs[0]])?))
+    };
+    let (lengths, starts) = (per_batch("lengths")?, per_batch("starts")?);
+    let sinks = match extra("sinks") {
+        None => None,
+        Some(s) if s.shape() == [qs[1]] && s.dtype().is_float() && !is_complex(s.dtype()) => {
+            Some(ops::astype(s, Dtype::F32)?)
+        }
+        Some(s) => {
+            return Err(format!(
+                "sinks must be a real float vector of one logit per query head ([{}]), got {} of shape {:?}",
+                qs[1],
+                crate::protocol::dtype_term(s.dtype()),
+                s.shape()
+            ))
+        }
+    };
+    let spec = ops::Attend {
+        scale,
+        causal,
+        mask: mask.as_ref(),
+        lengths: lengths.as_ref(),
+        starts: starts.as_ref(),
+        sinks: sinks.as_ref(),
+    };
+    finish(ops::fast_attention(&q, &k, &v, &spec), a)
 }

@@ -10,6 +10,7 @@
 //! that name the op.
 
 mod attrs;
+mod cache;
 mod compose;
 mod convert;
 mod creation;
@@ -198,7 +199,11 @@ const TABLE: &[(&str, Arity, Builder)] = &[
     ("fast_layer_norm", AtLeast(2), fast::layer_norm),
     ("fast_rope", AtLeast(1), fast::rope),
     ("fast_sdpa", AtLeast(3), fast::sdpa),
+    // the KV cache (Moat.KVCache)
+    ("kv_write", N(3), cache::kv_write),
 ];
+
+pub use cache::MOVES_FIRST_INPUT;
 
 /// The graph ops, in table order.
 pub fn names() -> impl Iterator<Item = &'static str> {

@@ -1,9 +1,8 @@
 //! `mlx::core::fast` kernels. `None` stands for MLX's `std::nullopt`.
 
-use std::ffi::CString;
 use std::ptr;
 
-use crate::mlx::{ffi, Array, Error, Result};
+use crate::mlx::{ffi, Array, Result};
 
 fn raw_or_null(a: Option<&Array>) -> *const ffi::moat_array {
     a.map_or(ptr::null(), |a| a.raw())
@@ -55,11 +54,34 @@ pub fn fast_rope(x: &Array, r: &Rope) -> Result<Array> {
     }
 }
 
-/// `softmax(q kᵀ · scale + mask) v`; `mask_mode` is `""` or `"causal"`.
-pub fn fast_sdpa(q: &Array, k: &Array, v: &Array, scale: f32, mask_mode: &str, mask: Option<&Array>) -> Result<Array> {
-    let mode = CString::new(mask_mode).map_err(|_| Error::new("sdpa: mask mode holds a NUL"))?;
-    // SAFETY: inputs are live (or null); `mode` is NUL-terminated and outlives the call.
+/// What attention masks beyond `mask`: causality (the queries are the last
+/// keys, of the valid prefix when `lengths` is given), keys at or past
+/// `lengths[b]` and before `starts[b]` (integer `{B}`), and per-head sink
+/// logits (`{Hq}`) in the softmax's denominator.
+pub struct Attend<'a> {
+    pub scale: f32,
+    pub causal: bool,
+    pub mask: Option<&'a Array>,
+    pub lengths: Option<&'a Array>,
+    pub starts: Option<&'a Array>,
+    pub sinks: Option<&'a Array>,
+}
+
+/// `softmax(q kᵀ · scale + mask) v`.
+pub fn fast_attention(q: &Array, k: &Array, v: &Array, a: &Attend) -> Result<Array> {
+    // SAFETY: inputs are live (or null, which the shim reads as absent).
     Array::from_call(|out| unsafe {
-        ffi::moat_fast_sdpa(q.raw(), k.raw(), v.raw(), scale, mode.as_ptr(), raw_or_null(mask), out)
+        ffi::moat_fast_attention(
+            q.raw(),
+            k.raw(),
+            v.raw(),
+            a.scale,
+            i32::from(a.causal),
+            raw_or_null(a.mask),
+            raw_or_null(a.lengths),
+            raw_or_null(a.starts),
+            raw_or_null(a.sinks),
+            out,
+        )
     })
 }

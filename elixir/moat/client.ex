@@ -103,30 +103,40 @@ defmodule Moat.Client do
 
   defp await_conn(name) do
     wait = Config.get(:restart_wait)
-    deadline = System.monotonic_time(:millisecond) + wait
-    restarting? = restarting?(name)
-    await_conn(name, deadline, restarting?, if(restarting?, do: wait, else: 0))
+    await_conn(name, System.monotonic_time(:millisecond) + wait, wait)
   end
 
-  defp await_conn(name, deadline, restarting?, wait) do
+  defp await_conn(name, deadline, wait) do
     case :persistent_term.get({__MODULE__, name}, nil) do
       %__MODULE__{} = conn ->
         conn
 
       nil ->
-        if restarting? and System.monotonic_time(:millisecond) < deadline do
+        if restarting?(name) and System.monotonic_time(:millisecond) < deadline do
           Process.sleep(10)
-          await_conn(name, deadline, restarting?(name), wait)
+          await_conn(name, deadline, wait)
         else
-          waited = if wait > 0, do: " (waited #{wait} ms for it to restart)", else: ""
-          raise Error.new(:worker_unavailable, nil, "no Moat worker named #{inspect(name)} is running#{waited}")
+          raise Error.new(
+                  :worker_unavailable,
+                  nil,
+                  "no Moat worker named #{inspect(name)} is running#{last_words(name, deadline, wait)}"
+                )
         end
     end
   end
 
+  defp last_words(name, deadline, wait) do
+    waited = if System.monotonic_time(:millisecond) >= deadline, do: " (waited #{wait} ms for it to restart)", else: ""
+
+    case :persistent_term.get({__MODULE__, name, :down}, nil) do
+      {generation, how} -> "#{waited}: generation #{generation} died (#{how})"
+      nil -> waited
+    end
+  end
+
   # Its process is starting (connecting, for a remote worker), or its last
-  # generation died and its supervisor is about to start the next; a worker
-  # stopped on purpose is not restarting.
+  # generation died and the supervisor that restarts it is still there; a
+  # worker stopped on purpose, or given up on, is not restarting.
   defp restarting?(name) do
     case Process.whereis(name) do
       pid when is_pid(pid) ->
@@ -134,7 +144,15 @@ defmodule Moat.Client do
 
       nil ->
         g = last_generation(name)
-        g > 0 and match?({^g, _}, :persistent_term.get({__MODULE__, name, :down}, nil))
+        g > 0 and match?({^g, _}, :persistent_term.get({__MODULE__, name, :down}, nil)) and restarter_alive?(name)
+    end
+  end
+
+  defp restarter_alive?(name) do
+    case :persistent_term.get({__MODULE__, name, :restarter}, nil) do
+      pid when is_pid(pid) -> Process.alive?(pid)
+      registered when is_atom(registered) and registered != nil -> Process.whereis(registered) != nil
+      _ -> false
     end
   end
 
@@ -749,9 +767,12 @@ defmodule Moat.Client do
 
   @doc false
   # Called by the owner as it exits after its worker died, for callers that
-  # only find out later (see `died/2`).
-  def record_down(%__MODULE__{name: name, generation: generation}, how),
-    do: :persistent_term.put({__MODULE__, name, :down}, {generation, how})
+  # only find out later (see `died/2`), with the owner's supervisor, which
+  # is about to restart it (see `restarting?/1`).
+  def record_down(%__MODULE__{name: name, generation: generation}, how) do
+    :persistent_term.put({__MODULE__, name, :restarter}, List.first(Process.get(:"$ancestors", [])))
+    :persistent_term.put({__MODULE__, name, :down}, {generation, how})
+  end
 
   # The port is gone, so the owner is exiting (or has exited) and its exit
   # reason says how the worker died.

@@ -58,11 +58,14 @@ defmodule Decoder do
   end
 
   def params(c, type) do
-    key = Nx.Random.key(42)
+    key = Nx.Random.key(42) |> Nx.backend_transfer(Moat.Backend)
 
+    # Drawn in the worker: 100M normals on Nx.BinaryBackend take hours.
     random = fn shape, seed ->
-      {t, _} = Nx.Random.normal(Nx.Random.fold_in(key, seed), 0.0, 0.02, shape: shape, type: {:f, 32})
-      t |> Nx.as_type(type) |> Nx.backend_transfer(Moat.Backend)
+      Nx.with_default_backend(Moat.Backend, fn ->
+        {t, _} = Nx.Random.normal(Nx.Random.fold_in(key, seed), 0.0, 0.02, shape: shape, type: {:f, 32})
+        Nx.as_type(t, type)
+      end)
     end
 
     ones = fn shape -> Nx.broadcast(Nx.tensor(1.0, type: type, backend: Moat.Backend), shape) end

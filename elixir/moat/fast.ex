@@ -5,7 +5,11 @@ defmodule Moat.Fast do
 
   Each is an `Nx.block/4`: on `Moat.Backend` it is one op in the worker, one
   call to MLX's `mlx::core::fast` kernel (fused on the GPU; on the CPU MLX
-  runs its own composition of the same ops). On every other backend, and
+  runs its own composition of the same ops), except that on the CPU
+  `rms_norm/3` and `scaled_dot_product_attention/4` (without a mask tensor)
+  run the worker's own one-pass kernels, vectorized for the kernel set
+  picked at start (AVX-512, AVX2 or scalar; `MOAT_CPU_FEATURES`, or `mlx`
+  for MLX's). On every other backend, and
   under `defn` on any compiler, the reference composition of Nx ops written
   here runs, and `Nx.Defn.grad/2` differentiates that composition.
 

@@ -218,7 +218,8 @@ defmodule Moat.FastTest do
       {:rms_norm, [{3, 8}, {8}]},
       {:layer_norm, [{3, 8}, {8}, {8}]},
       {:rope, [{2, 3, 4, 8}]},
-      {:sdpa, [{1, 4, 3, 8}, {1, 2, 5, 8}, {1, 2, 5, 8}]}
+      {:sdpa, [{1, 4, 3, 8}, {1, 2, 5, 8}, {1, 2, 5, 8}]},
+      {:sdpa_prefix, [{2, 4, 1, 8}, {2, 2, 5, 8}, {2, 2, 5, 8}, {4}]}
     ]
 
     defp loss(:rms_norm, [x, w]), do: Nx.sum(Nx.multiply(Fast.rms_norm(x, w), Nx.iota(x.shape)))
@@ -227,6 +228,11 @@ defmodule Moat.FastTest do
 
     defp loss(:sdpa, [q, k, v]),
       do: Nx.sum(Nx.multiply(Fast.scaled_dot_product_attention(q, k, v, mask: :causal), Nx.iota({1, 4, 3, 8})))
+
+    defp loss(:sdpa_prefix, [q, k, v, sinks]) do
+      opts = [mask: :causal, lengths: Nx.tensor([5, 3]), starts: Nx.tensor([1, 0]), sinks: sinks]
+      Nx.sum(Nx.multiply(Fast.scaled_dot_product_attention(q, k, v, opts), Nx.iota({2, 4, 1, 8})))
+    end
 
     for {name, shapes} <- @cases do
       @name name

@@ -20,6 +20,7 @@ mod indexing;
 mod integer;
 mod linalg;
 mod precise;
+mod quant;
 mod reduction;
 mod shape;
 mod window;
@@ -198,6 +199,11 @@ const TABLE: &[(&str, Arity, Builder)] = &[
     ("fast_layer_norm", AtLeast(2), fast::layer_norm),
     ("fast_rope", AtLeast(1), fast::rope),
     ("fast_sdpa", AtLeast(3), fast::sdpa),
+    // quantized weights (Moat.quantize)
+    ("quantize", N(1), quant::quantize),
+    ("dequantize", N(1), quant::dequantize),
+    ("quantized_matmul", N(2), quant::quantized_matmul),
+    ("gather_qmm", AtLeast(3), quant::gather_qmm),
 ];
 
 /// The graph ops, in table order.

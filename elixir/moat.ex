@@ -277,6 +277,28 @@ defmodule Moat do
   @spec scope((-> result)) :: result when result: term()
   def scope(fun) when is_function(fun, 0), do: Moat.Scope.run(fun, &Client.release_ids/3)
 
+  @doc """
+  `w` (f32, f16 or bf16, `{..., out, in}`) quantized along its last axis,
+  as a tensor of `w`'s shape and type whose data stays packed in the
+  worker: `Nx.dot(x, [-1], qw, [1])` runs MLX's `quantized_matmul` (on the
+  CPU, Moat's own kernel), eagerly and in `Moat.Compiler` programs; other
+  ops dequantize it first. Options: `:bits` (2, 3, 4, 6, 8; default 4),
+  `:group_size` (32, 64, 128; default 64), `:mode` (`:affine`, or the
+  microscaled `:mxfp4`, `:mxfp8`, `:nvfp4`). See `Moat.Quantized`.
+
+      qw = Moat.quantize(w, bits: 4, group_size: 64)
+  """
+  @spec quantize(Nx.Tensor.t(), keyword()) :: Nx.Tensor.t()
+  defdelegate quantize(w, opts \\ []), to: Moat.Quantized
+
+  @doc "The dense values of a quantized weight (`quantize/2`), in the worker."
+  @spec dequantize(Nx.Tensor.t()) :: Nx.Tensor.t()
+  defdelegate dequantize(qw), to: Moat.Quantized
+
+  @doc "MLX's `gather_qmm` over a quantized `{experts, out, in}` weight: see `Moat.Quantized.gather_qmm/4`."
+  @spec gather_qmm(Nx.Tensor.t(), Nx.Tensor.t(), Nx.Tensor.t(), keyword()) :: Nx.Tensor.t()
+  defdelegate gather_qmm(x, qw, rhs_indices, opts \\ []), to: Moat.Quantized
+
   # The keys of the worker's :memory_info reply. Naming them here makes the
   # atoms exist, which the client's :safe decoding requires.
   @memory_keys [:active, :peak, :cache, :limit, :cache_limit, :tensors]

@@ -262,9 +262,15 @@ defmodule Moat.Backend do
   @emulated Moat.Types.emulated()
 
   @enforce_keys [:ref]
-  defstruct [:ref, device: :cpu]
+  defstruct [:ref, device: :cpu, quant: nil]
 
-  @type t :: %__MODULE__{ref: Moat.Ref.t() | Moat.Compiler.Recorder.slot(), device: :cpu | :gpu}
+  # `quant`: a quantized weight's parameters (Moat.Quantized); `ref` is
+  # then its packed bytes, never read as the tensor's values.
+  @type t :: %__MODULE__{
+          ref: Moat.Ref.t() | Moat.Compiler.Recorder.slot(),
+          device: :cpu | :gpu,
+          quant: Moat.Quantized.t() | nil
+        }
 
   alias Moat.{Client, Ref, Types}
   alias Moat.Compiler.Recorder
@@ -328,6 +334,9 @@ defmodule Moat.Backend do
   defp made_as(_f8), do: {:f, 64}
 
   @impl true
+  def to_binary(%T{data: %__MODULE__{quant: %Moat.Quantized{}}} = tensor, limit),
+    do: read_and_release([Moat.Quantized.dense(tensor, :to_binary, &op/4)], &to_binary(&1, limit))
+
   def to_binary(%T{type: {_, bits}} = tensor, limit) do
     binary =
       if limit < Nx.size(tensor) do
@@ -344,8 +353,8 @@ defmodule Moat.Backend do
     head
   end
 
-  defp read_and_release(tensors) do
-    binary = read(List.last(tensors))
+  defp read_and_release(tensors, read \\ &read/1) do
+    binary = read.(List.last(tensors))
     Enum.each(tensors, &backend_deallocate/1)
     binary
   end
@@ -354,7 +363,7 @@ defmodule Moat.Backend do
   defp read(%T{type: type} = tensor), do: tensor |> ref() |> Moat.to_binary() |> Types.from_storage(type)
 
   @impl true
-  def inspect(%T{data: %__MODULE__{device: device}} = tensor, inspect_opts) do
+  def inspect(%T{data: %__MODULE__{device: device, quant: quant}} = tensor, inspect_opts) do
     limit = if inspect_opts.limit == :infinity, do: :infinity, else: inspect_opts.limit + 1
     binary = to_binary(tensor, min(limit, Nx.size(tensor)))
     # Nx.Backend.inspect/3 reads whole bytes: sub-byte integers print from theirs.
@@ -363,13 +372,22 @@ defmodule Moat.Backend do
 
     # `config :moat, inspect_backend: false` leaves the signature out.
     if Moat.Config.get(:inspect_backend) do
-      Inspect.Algebra.concat(["Moat.Backend(#{device})", Inspect.Algebra.line(), doc])
+      label = if quant, do: Moat.Quantized.label(quant), else: ""
+      Inspect.Algebra.concat(["Moat.Backend(#{device}#{label})", Inspect.Algebra.line(), doc])
     else
       doc
     end
   end
 
+  # A quantized weight stays quantized within Moat (its packed bytes move);
+  # other backends receive its dense values.
   @impl true
+  def backend_copy(%T{data: %__MODULE__{quant: %Moat.Quantized{}}} = tensor, backend, opts) do
+    if backend == __MODULE__,
+      do: Moat.Quantized.rewrap(backend_copy(Moat.Quantized.packed(tensor), __MODULE__, opts), tensor),
+      else: read_and_release([Moat.Quantized.dense(tensor, :backend_copy, &op/4)], &backend_copy(&1, backend, opts))
+  end
+
   def backend_copy(%T{} = tensor, __MODULE__, opts) do
     if here?(tensor, opts) do
       # MLX arrays are immutable: the copy is a new id for the same array.
@@ -723,6 +741,12 @@ defmodule Moat.Backend do
   # on Nx.BinaryBackend.
   @impl true
   def block(struct, output, args, fun) do
+    if Moat.Quantized.any?(args),
+      do: Moat.Quantized.callback(__MODULE__, &op/4, :block, struct, [output, args, fun]),
+      else: routed_block(struct, output, args, fun)
+  end
+
+  defp routed_block(struct, output, args, fun) do
     case Types.route(:block, output, args) do
       :native -> native_or_default(struct, output, args, fun)
       :default -> apply(fun, [struct | args])
@@ -822,6 +846,20 @@ defmodule Moat.Backend do
 
   def native_block(%Nx.Block.IRFFT{} = s, out, [t]),
     do: op(out, :irfft, [t], %{axis: s.axis, length: s.length, eps: s.eps, type: out.type})
+
+  # Moat.Quantized's ops; the packed weight is computed at once, so that the
+  # dense one can be freed.
+  def native_block(%Moat.Quantized.Op{name: :quantize, attrs: attrs}, out, [w]) do
+    packed = op(out, :quantize, [w], attrs)
+    unless Recorder.active?(), do: Moat.eval(ref(packed))
+    packed
+  end
+
+  def native_block(%Moat.Quantized.Op{name: :dequantize, attrs: attrs}, out, [packed]),
+    do: op(out, :dequantize, [packed], attrs)
+
+  def native_block(%Moat.Quantized.Op{name: :gather_qmm, attrs: attrs}, out, args),
+    do: op(out, :gather_qmm, args, attrs)
 
   # Moat.Fast's kernels (one `mlx::core::fast` op each).
   def native_block(struct, output, args), do: fast_block(struct, output, args)
@@ -1132,9 +1170,15 @@ defmodule Moat.Backend do
     def unquote(name)(unquote_splicing(args)) do
       [out | rest] = unquote(args)
 
-      case Types.route(unquote(name), out, rest) do
-        :native -> super(unquote_splicing(args))
-        :fallback -> via_binary(unquote(name), out, rest, home_options(rest))
+      # A quantized weight is dequantized first, except where Moat.Quantized
+      # has a quantized op (dot).
+      if Moat.Quantized.any?(rest) do
+        Moat.Quantized.callback(__MODULE__, &op/4, unquote(name), out, rest)
+      else
+        case Types.route(unquote(name), out, rest) do
+          :native -> super(unquote_splicing(args))
+          :fallback -> via_binary(unquote(name), out, rest, home_options(rest))
+        end
       end
     end
   end

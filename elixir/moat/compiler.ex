@@ -118,8 +118,10 @@ defmodule Moat.Compiler do
   @impl true
   def __jit__(key, vars, fun, args_list, opts) do
     opts = options(opts)
-    lowered_key = {key, templates(vars), opts}
-    compiled = Cache.lowered(lowered_key, fn -> build(vars, fun, opts) end)
+    # Quantized arguments are lowered as such (Moat.Quantized).
+    quant = quantized(hd(args_list))
+    lowered_key = {key, templates(vars), quant, opts}
+    compiled = Cache.lowered(lowered_key, fn -> build(vars, fun, Keyword.put(opts, :quant, quant)) end)
     source = fn -> Cache.source(lowered_key) end
     Enum.map(args_list, &run(compiled, &1, source))
   end
@@ -144,6 +146,10 @@ defmodule Moat.Compiler do
     opts
   end
 
+  defp quantized(args) do
+    for {arg, pos} <- Enum.with_index(args), q = Moat.Quantized.info(arg.()), into: %{}, do: {pos, q}
+  end
+
   defp templates(vars) do
     for %T{shape: s, type: t, names: n, vectorized_axes: v} <- Composite.flatten_list(vars), do: {s, t, n, v}
   end
@@ -159,7 +165,7 @@ defmodule Moat.Compiler do
       output = Composite.traverse(result, &Nx.to_template/1)
       Cache.count_lowering()
 
-      case Lower.lower(expr) do
+      case Lower.lower(expr, Keyword.get(opts, :quant, %{})) do
         {:ok, program, used, captures} ->
           program = if opts[:fuse] == true, do: Map.put(program, :fuse, true), else: program
 
@@ -167,6 +173,7 @@ defmodule Moat.Compiler do
             kind: :program,
             digest: :erlang.md5(:erlang.term_to_binary(program)),
             used: used,
+            quant: Keyword.get(opts, :quant, %{}),
             captures: captures,
             output: output,
             outputs: length(program.outputs),
@@ -223,7 +230,7 @@ defmodule Moat.Compiler do
     conn = Client.conn(c.worker)
     {id, _} = Cache.program(conn, c.digest, source)
     args = List.to_tuple(args)
-    tensors = Enum.map(c.used, &Nx.devectorize(elem(args, &1).())) ++ c.captures
+    tensors = Enum.map(c.used, &param(elem(args, &1).(), c.quant[&1])) ++ c.captures
     moved = Enum.map(tensors, &to_worker(&1, c.worker, c.device))
     ins = Client.ids!(conn, Enum.map(moved, & &1.data.ref), :run_program)
     outs = Client.new_ids(c.outputs)
@@ -240,6 +247,12 @@ defmodule Moat.Compiler do
       end)
 
     result
+  end
+
+  # A quantized argument the program was not lowered for is dequantized.
+  defp param(arg, quant) do
+    arg = Nx.devectorize(arg)
+    if Moat.Quantized.info(arg) == quant, do: arg, else: Moat.Quantized.dequantize(arg)
   end
 
   defp to_worker(%T{data: %Moat.Backend{ref: %Ref{worker: worker}}} = t, worker, _device), do: t

@@ -8,6 +8,7 @@
 #include <thread>
 
 #include "kernels.h"
+#include "qmm.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/primitives.h"
 #include "shim_core.hpp"
@@ -177,6 +178,7 @@ int moat_kernels_select(int want, int* selected_out) {
     } else {
       throw std::invalid_argument("unknown kernel set");
     }
+    moat::qmm::select(got);
     *selected_out = got;
   });
 }

@@ -24,8 +24,9 @@ defmodule Moat.Compiler.Lower do
   `program` is the term `:define_program` takes, without its id; its
   inputs are the used parameters (by position), then the captures.
   """
-  def lower(expr) do
+  def lower(expr, quant \\ %{}) do
     Recorder.start()
+    Recorder.update(&Map.put(&1, :quant, quant))
 
     try do
       {outputs, steps} =
@@ -120,13 +121,14 @@ defmodule Moat.Compiler.Lower do
       %{} when state.top ->
         # A parameter of the function: a program input.
         [slot] = Recorder.alloc(1)
-        tensor = bind(t, slot)
+        tensor = bind(t, slot, state.quant[pos])
         Recorder.update(&%{&1 | params: Map.put(&1.params, pos, tensor), inputs: [{pos, slot.n} | &1.inputs]})
         tensor
     end
   end
 
-  defp apply_node(:tensor, %T{data: %Expr{args: [tensor]}} = t), do: bind(t, %Slot{n: Recorder.slot(tensor)})
+  defp apply_node(:tensor, %T{data: %Expr{args: [tensor]}} = t),
+    do: bind(t, %Slot{n: Recorder.slot(tensor)}, Moat.Quantized.info(tensor))
 
   defp apply_node(:constant, %T{data: %Expr{args: [number]}} = t), do: Moat.Backend.constant(t, number, [])
 
@@ -232,7 +234,9 @@ defmodule Moat.Compiler.Lower do
     {result, Enum.reverse(steps)}
   end
 
-  defp bind(%T{} = template, %Slot{} = slot), do: %{template | data: %Moat.Backend{ref: slot}}
+  # `quant`: a quantized weight's parameters (Moat.Quantized), or nil.
+  defp bind(%T{} = template, %Slot{} = slot, quant \\ nil),
+    do: %{template | data: %Moat.Backend{ref: slot, quant: quant}}
 
   defp flat(container), do: Composite.flatten_list([container])
 

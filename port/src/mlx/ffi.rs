@@ -454,4 +454,51 @@ extern "C" {
         sinks: *const moat_array,
         out: *mut *mut moat_array,
     ) -> c_int;
+
+    // -- quantized weights
+    pub fn moat_quantize(
+        w: *const moat_array,
+        group_size: c_int,
+        bits: c_int,
+        mode: *const c_char,
+        out: *mut *mut moat_array,
+    ) -> c_int;
+    pub fn moat_dequantize(
+        packed: *const moat_array,
+        shape: *const i32,
+        ndim: usize,
+        dtype: c_int,
+        out_dtype: c_int,
+        group_size: c_int,
+        bits: c_int,
+        mode: *const c_char,
+        out: *mut *mut moat_array,
+    ) -> c_int;
+    pub fn moat_quantized_matmul(
+        x: *const moat_array,
+        packed: *const moat_array,
+        shape: *const i32,
+        ndim: usize,
+        dtype: c_int,
+        group_size: c_int,
+        bits: c_int,
+        mode: *const c_char,
+        transpose: c_int,
+        out: *mut *mut moat_array,
+    ) -> c_int;
+    pub fn moat_gather_qmm(
+        x: *const moat_array,
+        packed: *const moat_array,
+        shape: *const i32,
+        ndim: usize,
+        dtype: c_int,
+        group_size: c_int,
+        bits: c_int,
+        mode: *const c_char,
+        lhs_indices: *const moat_array,
+        rhs_indices: *const moat_array,
+        transpose: c_int,
+        sorted: c_int,
+        out: *mut *mut moat_array,
+    ) -> c_int;
 }

@@ -244,15 +244,15 @@ impl Indexed {
 }
 
 /// Lowest and highest values, overall or per column.
-struct Bounds {
-    low: Vec<i64>,
-    high: Vec<i64>,
+pub(super) struct Bounds {
+    pub(super) low: Vec<i64>,
+    pub(super) high: Vec<i64>,
 }
 
 /// The lowest and highest values of an integer tensor, or of each column
 /// (its last axis) when `per_column`; `None` when it has no elements. u64
 /// values beyond i64 read as i64::MAX, which no axis can hold.
-fn bounds(indices: &Array, per_column: bool) -> Result<Option<Bounds>, String> {
+pub(super) fn bounds(indices: &Array, per_column: bool) -> Result<Option<Bounds>, String> {
     let dtype = indices.dtype();
     if dtype.is_inexact() || dtype == Dtype::Bool {
         return Err(format!("indices must be integers, got {:?}", dtype.nx()));

@@ -21,6 +21,7 @@ mod indexing;
 mod integer;
 mod linalg;
 mod precise;
+mod quant;
 mod reduction;
 mod shape;
 mod window;
@@ -201,6 +202,11 @@ const TABLE: &[(&str, Arity, Builder)] = &[
     ("fast_sdpa", AtLeast(3), fast::sdpa),
     // the KV cache (Moat.KVCache)
     ("kv_write", N(3), cache::kv_write),
+    // quantized weights (Moat.quantize)
+    ("quantize", N(1), quant::quantize),
+    ("dequantize", N(1), quant::dequantize),
+    ("quantized_matmul", N(2), quant::quantized_matmul),
+    ("gather_qmm", AtLeast(3), quant::gather_qmm),
 ];
 
 pub use cache::MOVES_FIRST_INPUT;

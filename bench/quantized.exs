@@ -1,0 +1,95 @@
+# Quantized matrix products x {M, K} · wᵀ (w {N, K}, affine, group 64) at
+# decode shapes: the worker's own CPU kernel (the default worker's set and
+# the scalar fallback), MLX's own CPU quantized_matmul (cpu_kernels: :mlx),
+# Moat's dense f32 dot (OpenBLAS) and numpy's f32 product in the same run.
+# Run with bin/bench (mix run -r bench/support.exs bench/quantized.exs).
+# Each Moat time is the product plus an eval in the worker (no readback);
+# medians of interleaved rounds; compare ratios within one run.
+
+import Bench
+
+rounds = 30
+Moat.Worker.start_link(name: :bench_q_scalar, cpu_kernels: :scalar)
+Moat.Worker.start_link(name: :bench_q_mlx, cpu_kernels: :mlx)
+info = Moat.Worker.info()
+shapes = [{1, 4096, 4096}, {1, 1024, 4096}, {4, 4096, 4096}, {8, 4096, 4096}]
+
+Nx.global_default_backend(Moat.Backend)
+
+normal = fn seed, shape ->
+  {t, _} = Nx.Random.normal(Nx.Random.key(seed), shape: shape, type: :f32)
+  t
+end
+
+# One weight per {K, N}, uploaded to each worker and quantized there.
+weights =
+  for {k, n} <- shapes |> Enum.map(fn {_, k, n} -> {k, n} end) |> Enum.uniq(), into: %{} do
+    {{k, n}, normal.(k + n, {n, k})}
+  end
+
+variants = [
+  {"f32", Moat.Worker, nil},
+  {"4-bit", Moat.Worker, 4},
+  {"8-bit", Moat.Worker, 8},
+  {"4-bit scalar", :bench_q_scalar, 4},
+  {"8-bit scalar", :bench_q_scalar, 8},
+  {"4-bit MLX", :bench_q_mlx, 4},
+  {"8-bit MLX", :bench_q_mlx, 8}
+]
+
+held =
+  for {{k, n}, w} <- weights, {name, worker, bits} <- variants, into: %{} do
+    dense = Nx.backend_copy(w, {Moat.Backend, worker: worker})
+    {{name, k, n}, if(bits, do: Moat.quantize(dense, bits: bits, group_size: 64), else: dense)}
+  end
+
+xs =
+  for {m, k, _} <- shapes,
+      {_, worker, _} <- variants,
+      into: %{},
+      do: {{m, k, worker}, Nx.backend_copy(normal.(m, {m, k}), {Moat.Backend, worker: worker})}
+
+product = fn {m, k, n}, {name, worker, _} ->
+  Nx.dot(xs[{m, k, worker}], [1], held[{name, k, n}], [1])
+end
+
+time = fn shape, v -> time_us(fn -> product.(shape, v).data.ref |> Moat.eval() end) end
+for shape <- shapes, v <- variants, do: time.(shape, v)
+
+times =
+  for _ <- 1..rounds, shape <- shapes, v <- variants, reduce: %{} do
+    acc -> Map.update(acc, {shape, elem(v, 0)}, [time.(shape, v)], &[time.(shape, v) | &1])
+  end
+
+python = System.get_env("MOAT_BENCH_PYTHON", "python3")
+args = for {m, k, n} <- shapes, do: "#{m}:#{k}:#{n}"
+{out, 0} = System.cmd(python, [Path.join(__DIR__, "numpy_matvec.py"), "#{rounds}" | args])
+[["numpy", numpy_version] | rows] = out |> String.split("\n", trim: true) |> Enum.map(&String.split/1)
+numpy = Map.new(rows, fn [s, t] -> {s, String.to_float(t) * 1_000_000} end)
+
+ms = fn us -> fmt(us / 1000) end
+
+packed = fn bits ->
+  Moat.Quantized.packed_bytes({4096, 4096}, {:f, 32}, %Moat.Quantized{bits: bits, group_size: 64, mode: :affine})
+end
+
+IO.puts("### Quantized products (ms, median of #{rounds}; numpy #{numpy_version} in the same run)\n")
+
+IO.puts(
+  "x {M, K} · wᵀ, w {N, K} affine, group 64, f32 scales (4-bit: #{fmt(packed.(4) * 8 / 4096 / 4096)} bits a weight, " <>
+    "8-bit: #{fmt(packed.(8) * 8 / 4096 / 4096)}); Moat kernels #{info.cpu}.\n"
+)
+
+names = Enum.map(variants, &elem(&1, 0))
+row(["M × K × N", "numpy f32"] ++ Enum.map(names, &"Moat #{&1}") ++ ["numpy / 4-bit", "numpy / 8-bit"])
+row(["---" | List.duplicate("---:", length(names) + 3)])
+
+for {m, k, n} = shape <- shapes do
+  np = numpy["#{m}:#{k}:#{n}"]
+  med = fn name -> median(times[{shape, name}]) end
+
+  row(
+    ["#{m} × #{k} × #{n}", ms.(np)] ++
+      Enum.map(names, &ms.(med.(&1))) ++ [ratio(np, med.("4-bit")), ratio(np, med.("8-bit"))]
+  )
+end

@@ -378,8 +378,10 @@ impl Session {
             .location()
             .map_err(|message| log::warn!("readback of tensor {id} through the pin's address: {message}"))
             .ok()?;
-        self.sealed.insert(id);
-        budget::keep(len, SealedCopy { id, file: file.clone() });
+        if Sealed::may_keep() {
+            self.sealed.insert(id);
+            budget::keep(len, SealedCopy { id, file: file.clone() });
+        }
         Some((file, location))
     }
 

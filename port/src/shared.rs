@@ -36,9 +36,9 @@ use std::os::unix::fs::MetadataExt;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
-/// Memory files kept open at most (by live tensors and the cache), far
-/// below the usual descriptor limit; past it, files are closed once mapped
-/// and not reused.
+/// Memory files kept open at most (by live tensors, sealed readback copies
+/// and the cache), far below the usual descriptor limit; past it, files are
+/// closed once mapped and not reused.
 const MAX_KEPT: usize = 1024;
 
 /// A memory file waiting for the client to write a tensor's bytes into it.
@@ -162,7 +162,7 @@ impl Drop for After {
 /// A tensor's bytes in a memory file nobody can change any more (see the
 /// module's doc): what a sealed readback hands the client.
 pub struct Sealed {
-    file: File,
+    file: Kept,
     len: usize,
 }
 
@@ -182,7 +182,16 @@ impl Sealed {
         if seal {
             sys::seal_contents(&file).map_err(|e| format!("cannot seal a readback file: {e}"))?;
         }
-        Ok(Sealed { file, len: bytes.len() })
+        Ok(Sealed {
+            file: Kept::new(file),
+            len: bytes.len(),
+        })
+    }
+
+    /// Whether another sealed copy may be kept as cache: memory files kept
+    /// open stay within `MAX_KEPT`, far below the descriptor limit.
+    pub fn may_keep() -> bool {
+        KEPT.load(Ordering::Acquire) <= MAX_KEPT
     }
 
     pub fn len(&self) -> usize {
@@ -197,10 +206,11 @@ impl Sealed {
     pub fn location(&self) -> Result<Vec<(&'static str, Term)>, String> {
         let inode = self
             .file
+            .0
             .metadata()
             .map_err(|e| format!("cannot stat a sealed file: {e}"))?
             .ino();
-        let path = format!("/proc/{}/fd/{}", sys::os_pid(), self.file.as_raw_fd());
+        let path = format!("/proc/{}/fd/{}", sys::os_pid(), self.file.0.as_raw_fd());
         Ok(vec![
             ("inode", Term::int(inode)),
             ("path", Term::Binary(path.into_bytes())),

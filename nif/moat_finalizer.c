@@ -1,22 +1,51 @@
 /*
  * Moat.Finalizer: resources whose only job is to tell a process when the VM
  * garbage-collects them. A tensor handle holds one; when the last copy of the
- * handle is gone, the destructor sends {moat_release, Id} to the worker's
- * releaser, which batches ids into one :release frame.
+ * handle is gone, the destructor adds its id to the queue of the worker's
+ * releaser, and wakes the releaser with {moat_released} if the queue was
+ * empty; the releaser takes every queued id at once (drain/1) and batches
+ * them into one :release frame. A message per batch instead of per id: a
+ * dropped handle costs its creator almost nothing more than its allocation.
  *
  * No MLX here, and nothing that can fail in a way that harms the VM: the
- * destructor only sends a two-element tuple.
+ * destructor only appends to an array and sends an atom in a tuple.
+ *
+ * It also maps a worker's sealed readback files (protocol.md §6, "Shared
+ * memory") as resource binaries: map_sealed/3 below.
  */
+#define _GNU_SOURCE
 #include <erl_nif.h>
 
-typedef struct {
+#include <errno.h>
+#include <fcntl.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+/* The ids one releaser has not taken yet. Queues live as long as the
+ * library: one per releaser ever started (a few words per worker start). */
+typedef struct queue {
   ErlNifPid to;
+  ErlNifMutex* lock;
+  ErlNifUInt64* ids;
+  size_t len, cap;
+  int woken; /* a {moat_released} is on its way and not yet followed by drain */
+  struct queue* next;
+} queue;
+
+static ErlNifMutex* queues_lock;
+static queue* queues;
+
+typedef struct {
+  queue* to;
   ErlNifUInt64 id;
   int released; /* set once, atomically: by release/1 or by the destructor */
 } token;
 
 static ErlNifResourceType* TOKEN;
-static ERL_NIF_TERM atom_moat_release;
+static ErlNifResourceType* MAPPING;
+static ERL_NIF_TERM atom_moat_released;
 static ERL_NIF_TERM atom_true;
 static ERL_NIF_TERM atom_false;
 
@@ -27,15 +56,80 @@ static int take(token* t) {
                                      __ATOMIC_ACQUIRE);
 }
 
-static void token_dtor(ErlNifEnv* caller_env, void* obj) {
-  token* t = (token*)obj;
-  if (!take(t)) return;
+/* The queue of releaser `to`, made on first use; NULL without memory. */
+static queue* queue_of(ErlNifPid* to) {
+  enif_mutex_lock(queues_lock);
+  queue* q = queues;
+  while (q != NULL && enif_compare_pids(&q->to, to) != 0) q = q->next;
+  if (q == NULL) {
+    q = enif_alloc(sizeof(queue));
+    if (q != NULL) {
+      q->lock = enif_mutex_create("moat_release_queue");
+      if (q->lock == NULL) {
+        enif_free(q);
+        q = NULL;
+      } else {
+        q->to = *to;
+        q->ids = NULL;
+        q->len = q->cap = 0;
+        q->woken = 0;
+        q->next = queues;
+        queues = q;
+      }
+    }
+  }
+  enif_mutex_unlock(queues_lock);
+  return q;
+}
+
+/* Sends {moat_released} to the releaser; a dead one drops it. */
+static void wake(ErlNifEnv* caller_env, queue* q) {
   ErlNifEnv* msg_env = enif_alloc_env();
   if (msg_env == NULL) return;
-  ERL_NIF_TERM msg = enif_make_tuple2(msg_env, atom_moat_release, enif_make_uint64(msg_env, t->id));
-  /* A dead receiver (its worker restarted) just drops the message. */
-  enif_send(caller_env, &t->to, msg_env, msg);
+  enif_send(caller_env, &q->to, msg_env, enif_make_tuple1(msg_env, atom_moat_released));
   enif_free_env(msg_env);
+}
+
+static void token_dtor(ErlNifEnv* caller_env, void* obj) {
+  token* t = (token*)obj;
+  queue* q = t->to;
+  if (!take(t)) return;
+  enif_mutex_lock(q->lock);
+  if (q->len == q->cap) {
+    size_t cap = q->cap ? q->cap * 2 : 256;
+    ErlNifUInt64* ids = enif_realloc(q->ids, cap * sizeof(ErlNifUInt64));
+    if (ids == NULL) {
+      /* No memory: the id is not released, as a lost message would not be. */
+      enif_mutex_unlock(q->lock);
+      return;
+    }
+    q->ids = ids;
+    q->cap = cap;
+  }
+  q->ids[q->len++] = t->id;
+  int first = !q->woken;
+  q->woken = 1;
+  enif_mutex_unlock(q->lock);
+  if (first) wake(caller_env, q);
+}
+
+/* drain(Pid) -> the ids queued for releaser Pid, at most 65536 per call
+ * (it calls again while it gets a full list). */
+static ERL_NIF_TERM token_drain(ErlNifEnv* env, int argc, const ERL_NIF_TERM argv[]) {
+  ErlNifPid to;
+  (void)argc;
+  if (!enif_get_local_pid(env, argv[0], &to)) return enif_make_badarg(env);
+  queue* q = queue_of(&to);
+  if (q == NULL) return enif_raise_exception(env, enif_make_atom(env, "enomem"));
+  ERL_NIF_TERM list = enif_make_list(env, 0);
+  enif_mutex_lock(q->lock);
+  size_t n = q->len < 65536 ? q->len : 65536;
+  for (size_t i = q->len - n; i < q->len; i++) list = enif_make_list_cell(env, enif_make_uint64(env, q->ids[i]), list);
+  q->len -= n;
+  /* The next id queued wakes the releaser again. */
+  if (q->len == 0) q->woken = 0;
+  enif_mutex_unlock(q->lock);
+  return list;
 }
 
 /* new(Pid, Id) -> Token */
@@ -46,9 +140,10 @@ static ERL_NIF_TERM token_new(ErlNifEnv* env, int argc, const ERL_NIF_TERM argv[
   if (!enif_get_local_pid(env, argv[0], &to) || !enif_get_uint64(env, argv[1], &id)) {
     return enif_make_badarg(env);
   }
-  token* t = enif_alloc_resource(TOKEN, sizeof(token));
+  queue* q = queue_of(&to);
+  token* t = q ? enif_alloc_resource(TOKEN, sizeof(token)) : NULL;
   if (t == NULL) return enif_raise_exception(env, enif_make_atom(env, "enomem"));
-  t->to = to;
+  t->to = q;
   t->id = id;
   t->released = 0;
   ERL_NIF_TERM term = enif_make_resource(env, t);
@@ -73,6 +168,97 @@ static ERL_NIF_TERM token_released(ErlNifEnv* env, int argc, const ERL_NIF_TERM 
   return __atomic_load_n(&t->released, __ATOMIC_ACQUIRE) ? atom_true : atom_false;
 }
 
+/* A read-only mapping of a sealed memory file, alive while any binary made
+ * over it is (enif_make_resource_binary). */
+typedef struct {
+  void* data;
+  size_t len;
+} mapping;
+
+static void mapping_dtor(ErlNifEnv* env, void* obj) {
+  mapping* m = (mapping*)obj;
+  (void)env;
+  if (m->data != NULL) munmap(m->data, m->len);
+}
+
+static ERL_NIF_TERM error(ErlNifEnv* env, const char* why) {
+  return enif_make_tuple2(env, enif_make_atom(env, "error"), enif_make_atom(env, why));
+}
+
+static ERL_NIF_TERM errno_error(ErlNifEnv* env, int e) {
+  switch (e) {
+    case ENOENT: return error(env, "enoent");
+    case EACCES: return error(env, "eacces");
+    case EPERM: return error(env, "eperm");
+    case ENOMEM: return error(env, "enomem");
+    case EMFILE: return error(env, "emfile");
+    case ENFILE: return error(env, "enfile");
+    case EINVAL: return error(env, "einval");
+    default: return error(env, "system_error");
+  }
+}
+
+/* Seals a file must carry before it is mapped: no one can shrink it (a
+ * mapping past its end would raise SIGBUS in the VM), write it (a binary
+ * never changes) or remove a seal. */
+#define REQUIRED_SEALS (F_SEAL_SHRINK | F_SEAL_WRITE | F_SEAL_SEAL)
+
+/* map_sealed(Path, Inode, Bytes) -> {ok, Binary} | {error, Why}.
+ *
+ * Opens Path (the worker's /proc/<pid>/fd/<n>) read-only, checks that it is
+ * the file the worker announced (Inode, so that a dead worker's pid taken
+ * by another process is never read), that it holds Bytes bytes and carries
+ * REQUIRED_SEALS, and maps it. The binary stays valid whatever becomes of
+ * the worker: the mapping holds the file's pages. */
+static ERL_NIF_TERM map_sealed(ErlNifEnv* env, int argc, const ERL_NIF_TERM argv[]) {
+  ErlNifBinary path;
+  ErlNifUInt64 inode, bytes;
+  char name[256];
+  (void)argc;
+  if (!enif_inspect_binary(env, argv[0], &path) || !enif_get_uint64(env, argv[1], &inode) ||
+      !enif_get_uint64(env, argv[2], &bytes) || path.size == 0 || path.size >= sizeof(name) ||
+      memchr(path.data, 0, path.size) != NULL || bytes == 0) {
+    return enif_make_badarg(env);
+  }
+  memcpy(name, path.data, path.size);
+  name[path.size] = 0;
+
+  int fd = open(name, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return errno_error(env, errno);
+  struct stat st;
+  ERL_NIF_TERM refused = 0;
+  if (fstat(fd, &st) != 0) {
+    refused = errno_error(env, errno);
+  } else if ((ErlNifUInt64)st.st_ino != inode) {
+    refused = error(env, "not_the_workers_file");
+  } else if (st.st_size < 0 || (ErlNifUInt64)st.st_size != bytes) {
+    refused = error(env, "wrong_size");
+  } else {
+    int seals = fcntl(fd, F_GET_SEALS);
+    if (seals < 0 || (seals & REQUIRED_SEALS) != REQUIRED_SEALS) refused = error(env, "not_sealed");
+  }
+  if (refused) {
+    close(fd);
+    return refused;
+  }
+  void* data = mmap(NULL, (size_t)bytes, PROT_READ, MAP_SHARED, fd, 0);
+  int map_errno = errno;
+  /* The mapping keeps the file alive; the descriptor is not needed. */
+  close(fd);
+  if (data == MAP_FAILED) return errno_error(env, map_errno);
+
+  mapping* m = enif_alloc_resource(MAPPING, sizeof(mapping));
+  if (m == NULL) {
+    munmap(data, (size_t)bytes);
+    return error(env, "enomem");
+  }
+  m->data = data;
+  m->len = (size_t)bytes;
+  ERL_NIF_TERM bin = enif_make_resource_binary(env, m, data, (size_t)bytes);
+  enif_release_resource(m);
+  return enif_make_tuple2(env, enif_make_atom(env, "ok"), bin);
+}
+
 static ERL_NIF_TERM loaded(ErlNifEnv* env, int argc, const ERL_NIF_TERM argv[]) {
   (void)env;
   (void)argc;
@@ -83,7 +269,9 @@ static ERL_NIF_TERM loaded(ErlNifEnv* env, int argc, const ERL_NIF_TERM argv[]) 
 static int open_token_type(ErlNifEnv* env, ErlNifResourceFlags flags) {
   TOKEN = enif_open_resource_type(env, NULL, "moat_token", token_dtor, flags, NULL);
   if (TOKEN == NULL) return 1;
-  atom_moat_release = enif_make_atom(env, "moat_release");
+  MAPPING = enif_open_resource_type(env, NULL, "moat_mapping", mapping_dtor, flags, NULL);
+  if (MAPPING == NULL) return 1;
+  atom_moat_released = enif_make_atom(env, "moat_released");
   atom_true = enif_make_atom(env, "true");
   atom_false = enif_make_atom(env, "false");
   return 0;
@@ -92,6 +280,8 @@ static int open_token_type(ErlNifEnv* env, ErlNifResourceFlags flags) {
 static int load(ErlNifEnv* env, void** priv, ERL_NIF_TERM info) {
   (void)priv;
   (void)info;
+  queues_lock = enif_mutex_create("moat_release_queues");
+  if (queues_lock == NULL) return 1;
   return open_token_type(env, ERL_NIF_RT_CREATE);
 }
 
@@ -100,6 +290,8 @@ static int upgrade(ErlNifEnv* env, void** priv, void** old_priv, ERL_NIF_TERM in
   (void)priv;
   (void)old_priv;
   (void)info;
+  if (queues_lock == NULL) queues_lock = enif_mutex_create("moat_release_queues");
+  if (queues_lock == NULL) return 1;
   return open_token_type(env, ERL_NIF_RT_CREATE | ERL_NIF_RT_TAKEOVER);
 }
 
@@ -108,6 +300,8 @@ static ErlNifFunc funcs[] = {
     {"release", 1, token_release, 0},
     {"released?", 1, token_released, 0},
     {"loaded?", 0, loaded, 0},
+    {"drain", 1, token_drain, 0},
+    {"map_sealed", 3, map_sealed, 0},
 };
 
 ERL_NIF_INIT(Elixir.Moat.Finalizer, funcs, load, NULL, upgrade, NULL)

@@ -619,14 +619,14 @@ defmodule Moat.Client do
     # garbage should it die before.
     token = Finalizer.new(releaser, pin)
 
-    case request(conn, :to_binary, [pin], [id], %{pin: shared.threshold}, :infinity) do
-      {:ok, %{address: address, bytes: bytes} = meta, _} ->
-        read = Shared.read(shared, address, bytes)
+    case request(conn, :to_binary, [pin], [id], Shared.pin_attrs(shared), :infinity) do
+      {:ok, meta, _} when is_map_key(meta, :address) or is_map_key(meta, :path) ->
+        read = Shared.read_pinned(shared, meta)
         if Finalizer.release(token), do: send(releaser, {:moat_release, pin})
 
         case read do
           {:ok, data} ->
-            {:ok, meta |> Map.delete(:address) |> Map.put(:transfer, :shared_memory), data}
+            {:ok, meta |> Map.drop([:address, :path, :inode]) |> Map.put(:transfer, :shared_memory), data}
 
           {:error, why} ->
             Logger.warning("Moat: cannot read the worker's memory (#{inspect(why)}); using the pipe")

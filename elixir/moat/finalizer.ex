@@ -4,7 +4,9 @@ defmodule Moat.Finalizer do
   # last copy of its handle.
   #
   # A token is a resource of a tiny NIF (nif/moat_finalizer.c, no MLX in it)
-  # whose destructor sends `{:moat_release, id}` to the worker's releaser.
+  # whose destructor queues its id for the worker's releaser, and wakes it
+  # with `{:moat_released}` when the queue was empty; the releaser takes the
+  # queued ids with `drain/1`.
   # Where the NIF cannot load (no C compiler at build time, or
   # MOAT_FINALIZER=off), the Elixir bodies below run instead: a token is an
   # :atomics flag that only remembers an explicit release, and nothing is
@@ -67,6 +69,27 @@ defmodule Moat.Finalizer do
   """
   @spec release(reference()) :: boolean()
   def release(token), do: :atomics.compare_exchange(token, 1, 0, 1) == :ok
+
+  @doc """
+  The ids whose tokens for `releaser` were garbage-collected since the last
+  call (at most 65,536; call again while the list is that long).
+  """
+  @spec drain(pid()) :: [pos_integer()]
+  def drain(releaser) when is_pid(releaser), do: []
+
+  @doc """
+  Maps a worker's sealed readback file (protocol.md §6, "Shared memory")
+  read-only and returns it as a binary over the mapping: `{:ok, binary}`, or
+  `{:error, why}` when the file at `path` is not the one announced
+  (`:not_the_workers_file`), is not `bytes` long (`:wrong_size`), is not
+  sealed against shrinking and writing (`:not_sealed`), or cannot be opened
+  or mapped (an errno atom). Without the NIF: `{:error, :no_nif}`.
+  """
+  @spec map_sealed(binary(), non_neg_integer(), pos_integer()) :: {:ok, binary()} | {:error, atom()}
+  # (As in loaded?/0, the fallback's answer is read from a key nobody
+  # writes, so the compiler does not take it for the NIF's.)
+  def map_sealed(path, inode, bytes) when is_binary(path) and is_integer(inode) and is_integer(bytes),
+    do: {:error, :persistent_term.get({__MODULE__, :no_nif}, :no_nif)}
 
   @doc "Whether the token was released (explicitly, or by its destructor)."
   @spec released?(reference()) :: boolean()

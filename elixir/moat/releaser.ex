@@ -4,8 +4,9 @@ defmodule Moat.Releaser do
   # of tensors to forget and sends them in batches, one :release frame per
   # batch.
   #
-  # Ids arrive as `{:moat_release, id}` (a token's destructor, or
-  # `Moat.deallocate/1`) and `{:moat_release_ids, ids}` (`Moat.scope/1`). A
+  # Ids arrive as `{:moat_release, id}` (`Moat.deallocate/1`),
+  # `{:moat_release_ids, ids}` (`Moat.scope/1`), and in the finalizer's queue
+  # (garbage-collected handles; `{:moat_released}` says it is not empty). A
   # batch goes out when the mailbox runs empty or @max_batch ids wait, in
   # frames of at most @max_batch ids.
   #
@@ -29,6 +30,8 @@ defmodule Moat.Releaser do
   # depends on it).
 
   use GenServer
+
+  alias Moat.Finalizer
 
   @max_batch 8192
 
@@ -61,12 +64,15 @@ defmodule Moat.Releaser do
   def handle_cast({:attach, send_release}, state), do: next(%{state | send_release: send_release})
 
   @impl true
-  def handle_call(:flush, _from, state), do: {:reply, :ok, send_batch(state)}
+  # The caller's garbage queued its ids before this call arrived.
+  def handle_call(:flush, _from, state), do: {:reply, :ok, state |> drain() |> send_batch()}
 
   @impl true
   def handle_info({:moat_release, id}, state) do
     next(%{state | pending: [id | state.pending], count: state.count + 1})
   end
+
+  def handle_info({:moat_released}, state), do: next(drain(state))
 
   def handle_info({:moat_release_ids, ids}, state) do
     next(%{state | pending: ids ++ state.pending, count: state.count + length(ids)})
@@ -131,6 +137,13 @@ defmodule Moat.Releaser do
 
       nil ->
         creator
+    end
+  end
+
+  defp drain(state) do
+    case Finalizer.drain(self()) do
+      [] -> state
+      ids -> drain(%{state | pending: ids ++ state.pending, count: state.count + length(ids)})
     end
   end
 

@@ -13,16 +13,30 @@ defmodule Moat.Shared do
   # its address; we read it with one pread from `/proc/<pid>/mem`, after
   # checking that the probe bytes the worker announced in its hello are
   # there (the same pid check). The worker then drops the pin on release.
+  # Where the finalizer NIF is loaded, the worker copies the tensor into a
+  # memory file sealed against shrinking and writing instead, and the NIF
+  # maps that read-only as a binary (Moat.Finalizer.map_sealed/3): no copy
+  # on this side, and the mapping outlives the worker (a sealed file cannot
+  # be truncated under it, so no SIGBUS can reach the VM). A file that is not
+  # sealed, or not the one announced, is refused: the pipe then carries it.
   #
   # Both are single copies, measured here (bench/foundation.exs): the pipe
   # costs two on the way in and three on the way out. Raw files belong to the
   # process that opens them and close when it exits, so nothing is left open
   # when a caller dies.
 
+  alias Moat.Finalizer
+
   @probe_bytes 16
 
   @typedoc "What a connection uses for shared-memory transfers."
-  @type t :: %{mem: String.t(), address: non_neg_integer(), nonce: binary(), threshold: non_neg_integer()}
+  @type t :: %{
+          mem: String.t(),
+          address: non_neg_integer(),
+          nonce: binary(),
+          threshold: non_neg_integer(),
+          sealed: boolean()
+        }
 
   @doc """
   The shared-memory settings for a worker whose hello is `info`, or nil when
@@ -32,7 +46,13 @@ defmodule Moat.Shared do
   @spec negotiate(map(), non_neg_integer()) :: t() | nil
   def negotiate(%{shared_memory: %{address: address, nonce: nonce}, os_pid: os_pid}, threshold)
       when is_integer(address) and byte_size(nonce) == @probe_bytes do
-    shared = %{mem: "/proc/#{os_pid}/mem", address: address, nonce: nonce, threshold: threshold}
+    shared = %{
+      mem: "/proc/#{os_pid}/mem",
+      address: address,
+      nonce: nonce,
+      threshold: threshold,
+      sealed: Finalizer.loaded?()
+    }
 
     case read(shared, address, 0) do
       {:ok, _} -> shared
@@ -64,6 +84,19 @@ defmodule Moat.Shared do
       error -> error
     end
   end
+
+  @doc "The attrs of a pinned `:to_binary` (protocol.md §6, \"Shared memory\")."
+  @spec pin_attrs(t()) :: map()
+  def pin_attrs(%{threshold: threshold, sealed: true}), do: %{pin: threshold, sealed: true}
+  def pin_attrs(%{threshold: threshold}), do: %{pin: threshold}
+
+  @doc """
+  The bytes of a pinned readback whose reply is `meta`: its sealed file
+  mapped (`path`), or read at its `address`.
+  """
+  @spec read_pinned(t(), map()) :: {:ok, binary()} | {:error, term()}
+  def read_pinned(_shared, %{path: path, inode: inode, bytes: bytes}), do: Finalizer.map_sealed(path, inode, bytes)
+  def read_pinned(shared, %{address: address, bytes: bytes}), do: read(shared, address, bytes)
 
   @doc "Reads `bytes` bytes at `address` of the worker's memory."
   @spec read(t(), non_neg_integer(), non_neg_integer()) :: {:ok, binary()} | {:error, term()}

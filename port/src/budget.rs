@@ -223,6 +223,19 @@ pub fn take_kept<T: Any + Send>(len: usize) -> Option<T> {
     item.downcast().ok().map(|item| *item)
 }
 
+/// The newest kept item of type `T` that `which` picks, taken out of the
+/// cache, with its length.
+pub fn take_kept_where<T: Any + Send>(which: impl Fn(&T) -> bool) -> Option<(usize, T)> {
+    let mut kept = kept();
+    let i = kept
+        .items
+        .iter()
+        .rposition(|(_, item)| item.downcast_ref::<T>().is_some_and(&which))?;
+    let (len, item) = kept.items.remove(i);
+    kept.bytes -= len;
+    item.downcast().ok().map(|item| (len, *item))
+}
+
 /// Kept items, oldest first (see `keep`).
 #[derive(Default)]
 struct Shelf {

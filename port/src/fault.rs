@@ -18,10 +18,19 @@
 //! | `:hang` | blocks the session thread for good, using no CPU (a hung MLX call) |
 //! | `:spin` | keeps the session thread busy for `ms` ms (a long computation) |
 //! | `:device_write` | a GPU kernel writes through a wild pointer (a real CUDA fault) |
+//! | `:unsealed` | sealed readback files are handed out unsealed from now on (a broken contract the client must refuse) |
 
 use crate::sys::{self, crash};
 use crate::term::Term;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
+
+static UNSEALED: AtomicBool = AtomicBool::new(false);
+
+/// Whether `:unsealed` was injected: readback files then skip their seals.
+pub fn leave_unsealed() -> bool {
+    UNSEALED.load(Ordering::Relaxed)
+}
 
 #[derive(Clone, Copy, Debug)]
 enum Fault {
@@ -35,6 +44,7 @@ enum Fault {
     DeviceWrite,
     Hang,
     Spin(u64),
+    Unsealed,
 }
 
 /// Runs the fault now, or arms it on a timer thread; `Ok` when the worker is
@@ -76,6 +86,7 @@ fn parse(attrs: &Term) -> Result<Fault, String> {
         Some("hang") => Ok(Fault::Hang),
         Some("spin") => Ok(Fault::Spin(number("ms")?.clamp(0, 600_000) as u64)),
         Some("sleep") => Ok(Fault::Sleep(number("ms")?.clamp(0, 600_000) as u64)),
+        Some("unsealed") => Ok(Fault::Unsealed),
         _ => Err(format!("unknown fault {attrs}")),
     }
 }
@@ -102,6 +113,10 @@ fn fire(fault: Fault) -> Result<(), String> {
         Fault::DeviceWrite => crate::mlx::fault_device_write().map_err(String::from),
         Fault::Sleep(ms) => {
             std::thread::sleep(Duration::from_millis(ms));
+            Ok(())
+        }
+        Fault::Unsealed => {
+            UNSEALED.store(true, Ordering::Relaxed);
             Ok(())
         }
     }

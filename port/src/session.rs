@@ -10,10 +10,12 @@ use crate::program::Programs;
 use crate::protocol::{self, Id, Malformed, Request};
 use crate::registry::{Failure, Registry};
 use crate::replies::{Outgoing, Replies};
+use crate::shared::{Sealed, SealedCopy};
 use crate::term::Term;
 use crossbeam_channel::{Receiver, TryRecvError};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::rc::Rc;
+use std::sync::Arc;
 
 mod memory_calls;
 mod program_calls;
@@ -50,6 +52,24 @@ pub fn op_names() -> Vec<&'static str> {
     REQUESTS.iter().copied().chain(ops::names()).collect()
 }
 
+/// What a pinned readback keeps alive until the client releases its pin.
+enum Pinned {
+    /// The tensor, which the client reads at its address.
+    Memory { _data: Evaluated },
+    /// Its sealed copy, whose file the client maps.
+    File { _file: Arc<Sealed> },
+}
+
+/// A reply map's entries, in the order they are written.
+type Pairs = Vec<(&'static str, Term)>;
+
+/// A readback's `pin` request (see `Session::pin_request`).
+struct Pin {
+    id: Id,
+    min: usize,
+    sealed: bool,
+}
+
 /// Requests between two unprompted acknowledgements.
 const ACK_EVERY: u64 = 64;
 
@@ -59,7 +79,9 @@ pub struct Session {
     registry: Registry,
     /// Readbacks the client reads from this process's memory (`to_binary`
     /// with `pin`), held until it releases them.
-    pins: HashMap<Id, Evaluated>,
+    pins: HashMap<Id, Pinned>,
+    /// Tensors whose sealed copy may be in the cache (see `sealed_copy`).
+    sealed: HashSet<Id>,
     /// Programs defined by `define_program`, by id.
     programs: Programs,
     shared_memory: bool,
@@ -76,6 +98,7 @@ impl Session {
             checks: Checks::default(),
             registry: Registry::default(),
             pins: HashMap::new(),
+            sealed: HashSet::new(),
             programs: Programs::default(),
             shared_memory: false,
             out,
@@ -184,6 +207,9 @@ impl Session {
                 for id in &req.ins {
                     self.registry.release(*id);
                     self.pins.remove(id);
+                    if self.sealed.remove(id) {
+                        budget::take_kept_where::<SealedCopy>(|copy| copy.id == *id);
+                    }
                 }
                 self.reply(req.seq, Term::atom("nil"));
             }
@@ -311,10 +337,23 @@ impl Session {
         });
         match (result, pin) {
             (Ok(_), _) if req.seq == 0 => {}
-            (Ok(data), Some((id, min))) if data.bytes().len() >= min.max(1) => {
+            (Ok(data), Some(pin)) if data.bytes().len() >= pin.min.max(1) => {
                 let mut info = metadata_pairs(data.array(), Some(data.bytes().len()));
-                info.push(("address", Term::int(data.bytes().as_ptr() as u64)));
-                self.pins.insert(id, data);
+                let sealed = if pin.sealed {
+                    self.sealed_copy(req.ins[0], &data)
+                } else {
+                    None
+                };
+                match sealed {
+                    Some((file, location)) => {
+                        info.extend(location);
+                        self.pins.insert(pin.id, Pinned::File { _file: file });
+                    }
+                    None => {
+                        info.push(("address", Term::int(data.bytes().as_ptr() as u64)));
+                        self.pins.insert(pin.id, Pinned::Memory { _data: data });
+                    }
+                }
                 self.reply(req.seq, protocol::map(info));
             }
             (Ok(data), _) => {
@@ -331,10 +370,42 @@ impl Session {
         }
     }
 
+    /// Tensor `id`'s bytes in a sealed file, with its `path` and `inode`:
+    /// its copy from an earlier readback, or a new one, kept as cache for
+    /// the next. `None` when the copy does not fit the memory limit or no
+    /// file can be made (the client then reads the pin's address).
+    fn sealed_copy(&mut self, id: Id, data: &Evaluated) -> Option<(Arc<Sealed>, Pairs)> {
+        let len = data.bytes().len();
+        let file = match budget::take_kept_where::<SealedCopy>(|copy| copy.id == id) {
+            Some((_, copy)) => copy.file,
+            None => {
+                budget().admit(len).ok()?;
+                match Sealed::of(data.bytes()) {
+                    Ok(file) => Arc::new(file),
+                    Err(message) => {
+                        log::warn!("readback of tensor {id} through the pin's address: {message}");
+                        return None;
+                    }
+                }
+            }
+        };
+        let location = file
+            .location()
+            .map_err(|message| log::warn!("readback of tensor {id} through the pin's address: {message}"))
+            .ok()?;
+        if Sealed::may_keep() {
+            self.sealed.insert(id);
+            budget::keep(len, SealedCopy { id, file: file.clone() });
+        }
+        Some((file, location))
+    }
+
     /// `to_binary`'s `%{pin: min_bytes}` with `outs: [id]`: a readback of at
     /// least `min_bytes` is pinned as `id` and answered with its address
-    /// instead of a payload. `None` when not asked, or not offered.
-    fn pin_request(&self, req: &Request) -> Result<Option<(Id, usize)>, Rc<Failure>> {
+    /// instead of a payload; with `sealed: true` too, with a sealed file's
+    /// `path` and `inode` where one can be made. `None` when not asked, or
+    /// not offered.
+    fn pin_request(&self, req: &Request) -> Result<Option<Pin>, Rc<Failure>> {
         let min = match &req.attrs {
             Term::Map(_) => req
                 .attrs
@@ -345,7 +416,11 @@ impl Session {
             _ => None,
         };
         match (req.outs.as_slice(), min) {
-            ([id], Some(min)) => Ok(self.shared_memory.then_some((*id, min))),
+            ([id], Some(min)) => Ok(self.shared_memory.then_some(Pin {
+                id: *id,
+                min,
+                sealed: req.attrs.get("sealed").is_some_and(|t| t.is_atom("true")),
+            })),
             _ => Err(Failure::new(
                 &req.op,
                 format!(
@@ -407,7 +482,7 @@ fn metadata(array: &Array, bytes: Option<usize>) -> Term {
     protocol::map(metadata_pairs(array, bytes))
 }
 
-fn metadata_pairs(array: &Array, bytes: Option<usize>) -> Vec<(&'static str, Term)> {
+fn metadata_pairs(array: &Array, bytes: Option<usize>) -> Pairs {
     let mut pairs = vec![
         ("dtype", protocol::dtype_term(array.dtype())),
         ("shape", protocol::shape_term(&array.shape())),

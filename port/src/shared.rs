@@ -7,6 +7,15 @@
 //! outlives the worker: memory files have no name, and a pin is memory of
 //! the worker's own.
 //!
+//! Where the client can map files (its NIF is loaded), a large readback
+//! goes in a memory file sealed against shrinking and writing instead
+//! (`Sealed`): the worker copies the tensor into it once, the client maps
+//! it read-only and hands the mapping to the VM as a binary, with no copy on
+//! its side; the file's pages outlive the worker for as long as the VM
+//! holds that binary, and a sealed file cannot be truncated under it. A
+//! tensor's sealed copy is kept as cache (`budget::keep`) for its next
+//! readback, until the tensor is released.
+//!
 //! A memory file whose tensor is gone is kept for the next upload of the
 //! same size, as MLX keeps freed buffers: writing into pages that exist is
 //! much faster than into new ones (about twice, bench/foundation.exs). The
@@ -27,9 +36,9 @@ use std::os::unix::fs::MetadataExt;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
-/// Memory files kept open at most (by live tensors and the cache), far
-/// below the usual descriptor limit; past it, files are closed once mapped
-/// and not reused.
+/// Memory files kept open at most (by live tensors, sealed readback copies
+/// and the cache), far below the usual descriptor limit; past it, files are
+/// closed once mapped and not reused.
 const MAX_KEPT: usize = 1024;
 
 /// A memory file waiting for the client to write a tensor's bytes into it.
@@ -148,6 +157,72 @@ impl Drop for After {
             budget::keep(self.len, file);
         }
     }
+}
+
+/// A tensor's bytes in a memory file nobody can change any more (see the
+/// module's doc): what a sealed readback hands the client.
+pub struct Sealed {
+    file: Kept,
+    len: usize,
+}
+
+impl Sealed {
+    /// A new memory file holding `bytes` (at least one), sealed.
+    pub fn of(bytes: &[u8]) -> Result<Sealed, String> {
+        use std::os::unix::fs::FileExt;
+        let file = sys::memory_file(c"moat-readback").map_err(|e| format!("cannot create a sealed file: {e}"))?;
+        // One copy, by write(2): the kernel fills fresh pages without
+        // zeroing them first, as a fault through a mapping would.
+        file.write_all_at(bytes, 0)
+            .map_err(|e| format!("cannot fill a sealed file of {} bytes: {e}", bytes.len()))?;
+        #[cfg(feature = "fault-injection")]
+        let seal = !crate::fault::leave_unsealed();
+        #[cfg(not(feature = "fault-injection"))]
+        let seal = true;
+        if seal {
+            sys::seal_contents(&file).map_err(|e| format!("cannot seal a readback file: {e}"))?;
+        }
+        Ok(Sealed {
+            file: Kept::new(file),
+            len: bytes.len(),
+        })
+    }
+
+    /// Whether another sealed copy may be kept as cache: memory files kept
+    /// open stay within `MAX_KEPT`, far below the descriptor limit.
+    pub fn may_keep() -> bool {
+        KEPT.load(Ordering::Acquire) <= MAX_KEPT
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// `path` and `inode`, as `Staged::location` gives them.
+    pub fn location(&self) -> Result<Vec<(&'static str, Term)>, String> {
+        let inode = self
+            .file
+            .0
+            .metadata()
+            .map_err(|e| format!("cannot stat a sealed file: {e}"))?
+            .ino();
+        let path = format!("/proc/{}/fd/{}", sys::os_pid(), self.file.0.as_raw_fd());
+        Ok(vec![
+            ("inode", Term::int(inode)),
+            ("path", Term::Binary(path.into_bytes())),
+        ])
+    }
+}
+
+/// A tensor's sealed copy, kept as cache (`budget::keep`) for its next
+/// readback; `id` is the tensor's, dropped from the cache when it goes.
+pub struct SealedCopy {
+    pub id: crate::protocol::Id,
+    pub file: std::sync::Arc<Sealed>,
 }
 
 /// An open memory file, counted against `MAX_KEPT`.

@@ -58,6 +58,18 @@ pub fn seal_size(file: &File) -> io::Result<()> {
     Ok(())
 }
 
+/// Fixes a memory file's size and contents for good (`seal_size`, and no
+/// one can write it any more): a reader may map it and take its bytes for
+/// immutable. Fails while the file is mapped writable.
+pub fn seal_contents(file: &File) -> io::Result<()> {
+    let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_WRITE | libc::F_SEAL_SEAL;
+    // SAFETY: F_ADD_SEALS takes an int; it fails on files that do not allow sealing.
+    if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 /// `len` bytes of a file, mapped shared and writable, preceded by at least
 /// `room` writable bytes of private memory (MLX's allocator keeps a header
 /// just before a buffer's data). Unmapped on drop.

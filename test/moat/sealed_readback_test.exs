@@ -1,0 +1,166 @@
+defmodule Moat.SealedReadbackTest do
+  # Large readbacks through a sealed memory file mapped as a binary
+  # (protocol.md §6, "Shared memory"; Moat.Finalizer.map_sealed/3): what the
+  # VM holds survives the worker, a file that is not sealed is refused for
+  # the pipe, and small reads from many callers each get their own answer.
+  use ExUnit.Case, async: false
+  import Moat.Case
+
+  alias Moat.{Client, Finalizer, Reliability}
+
+  @mib 1024 * 1024
+
+  defp bytes(n), do: :crypto.strong_rand_bytes(n)
+
+  # How `to_binary` read the tensor (`:transfer` in its telemetry).
+  defp read_back(ref) do
+    id = "sealed-#{System.unique_integer([:positive])}"
+    :telemetry.attach(id, [:moat, :to_binary, :stop], &Moat.Case.forward_event/4, self())
+
+    try do
+      data = Moat.to_binary(ref)
+      assert_received {:telemetry, [:moat, :to_binary, :stop], _, %{transfer: transfer}}
+      {transfer, data}
+    after
+      :telemetry.detach(id)
+    end
+  end
+
+  defp readback_files(worker) do
+    worker |> os_pid() |> Reliability.open_fds() |> Enum.count(fn {_, target} -> target =~ "moat-readback" end)
+  end
+
+  # The VM's mappings of sealed readback files (a binary over one is not
+  # memory of the VM's own allocators).
+  defp mapped_files do
+    "/proc/self/maps" |> File.read!() |> String.split("\n") |> Enum.count(&(&1 =~ "moat-readback"))
+  end
+
+  @moduletag :capture_log
+
+  test "a large readback is a mapping of a sealed file, kept for the tensor's next readback" do
+    assert Finalizer.loaded?()
+    w = start_worker(:sealed_trips, shared_memory_threshold: 64 * 1024, log_level: :error)
+    assert Client.conn(w).shared.sealed
+    data = bytes(3 * @mib + 5)
+    ref = Moat.from_binary(data, {byte_size(data)}, {:u, 8}, worker: w)
+    before = mapped_files()
+
+    assert {:shared_memory, first} = read_back(ref)
+    assert first == data
+    assert readback_files(w) == 1
+    # Two readbacks alive, each a mapping of the first readback's file.
+    assert {:shared_memory, second} = read_back(ref)
+    assert second == data
+    assert readback_files(w) == 1
+    assert mapped_files() == before + 2
+    assert first == second
+    assert Moat.memory_info(w).cache >= byte_size(data)
+
+    # A computed tensor, and Nx tensors of several types.
+    sum = Nx.add(Nx.from_binary(data, :u8, backend: {Moat.Backend, worker: w}), 1)
+    expected = for <<b <- data>>, into: <<>>, do: <<rem(b + 1, 256)>>
+    assert Nx.to_binary(sum) == expected
+
+    for type <- [{:s, 16}, {:f, 32}, {:f, 64}, {:c, 64}] do
+      t = Nx.iota({300, 257}, type: type, backend: Nx.BinaryBackend)
+      assert Nx.to_binary(Nx.backend_transfer(t, {Moat.Backend, worker: w})) == Nx.to_binary(t), inspect(type)
+    end
+
+    # Releasing a tensor drops its file from the cache.
+    Moat.deallocate(ref)
+    Nx.backend_deallocate(sum)
+    Moat.memory_info(w)
+    Moat.clear_cache(w)
+    assert readback_files(w) == 0
+  end
+
+  test "a mapped readback stays readable and correct after its worker is killed" do
+    name = :sealed_killed
+    w = start_worker(name, log_level: :error)
+    data = bytes(8 * @mib)
+    ref = Moat.from_binary(data, {8 * @mib}, {:u, 8}, worker: w)
+    assert {:shared_memory, held} = read_back(ref)
+    generation = Moat.Worker.info(w).generation
+    pid = os_pid(w)
+
+    kill(pid)
+    eventually(fn -> not os_alive?(pid) end)
+    await_generation_after(name, generation)
+
+    # The file's pages belong to the mapping now, not to the dead worker.
+    assert held == data
+    assert :binary.copy(held) == data
+    assert :crypto.hash(:sha256, held) == :crypto.hash(:sha256, data)
+    # Sent to another process and read there too.
+    parent = self()
+    spawn(fn -> send(parent, {:read, :erlang.md5(held)}) end)
+    assert_receive {:read, digest}, 10_000
+    assert digest == :erlang.md5(data)
+  end
+
+  test "a readback file that is not sealed is refused, and the pipe carries the tensor" do
+    w = start_worker(:sealed_refused, worker_path: Reliability.fault_worker_path(), log_level: :error)
+    data = bytes(2 * @mib)
+    ref = Moat.from_binary(data, {2 * @mib}, {:u, 8}, worker: w)
+    assert {:shared_memory, ^data} = read_back(ref)
+
+    # From now on the worker hands out files nobody sealed: were they
+    # mapped, it could change (or shrink) them under the VM's binary.
+    Reliability.inject(w, :unsealed)
+    more = bytes(2 * @mib)
+    fresh = Moat.from_binary(more, {2 * @mib}, {:u, 8}, worker: w)
+    assert {:pipe, ^more} = read_back(fresh)
+    # The file already sealed and kept for `ref` is still used.
+    assert {:shared_memory, ^data} = read_back(ref)
+  end
+
+  test "map_sealed refuses files that are not a sealed file of the announced size and inode" do
+    path = Path.join(System.tmp_dir!(), "moat-sealed-#{System.unique_integer([:positive])}")
+    File.write!(path, "not sealed")
+    on_exit(fn -> File.rm(path) end)
+    %File.Stat{inode: inode, size: size} = File.stat!(path)
+
+    assert Finalizer.map_sealed(path, inode, size) == {:error, :not_sealed}
+    assert Finalizer.map_sealed(path, inode + 1, size) == {:error, :not_the_workers_file}
+    assert Finalizer.map_sealed(path, inode, size + 1) == {:error, :wrong_size}
+    assert Finalizer.map_sealed(path <> "-gone", inode, size) == {:error, :enoent}
+    assert_raise ArgumentError, fn -> Finalizer.map_sealed(path, inode, 0) end
+  end
+
+  test "many concurrent small reads: every caller gets its own answers, in order" do
+    w = start_worker(:sealed_many, log_level: :error)
+    backend = {Moat.Backend, worker: w}
+
+    # Beside them, a few callers read large tensors through sealed files.
+    large =
+      for i <- 1..4 do
+        Task.async(fn ->
+          data = :binary.copy(<<i>>, @mib + i)
+          ref = Moat.from_binary(data, {@mib + i}, {:u, 8}, worker: w)
+          for _ <- 1..10, do: assert(Moat.to_binary(ref) == data)
+        end)
+      end
+
+    results =
+      1..32
+      |> Enum.map(fn i ->
+        Task.async(fn ->
+          t = Nx.tensor([i, i * 2, i * 3, i * 4], type: :s32, backend: backend)
+
+          for j <- 1..50 do
+            # A fire-and-forget op, then a read that depends on it.
+            {j, t |> Nx.add(j) |> Nx.to_binary()}
+          end
+        end)
+      end)
+      |> Task.await_many(60_000)
+
+    Task.await_many(large, 60_000)
+
+    for {answers, i} <- Enum.with_index(results, 1), {{j, got}, k} <- Enum.with_index(answers, 1) do
+      assert j == k
+      assert got == for(k <- 1..4, into: <<>>, do: <<k * i + j::signed-32-native>>)
+    end
+  end
+end

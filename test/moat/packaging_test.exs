@@ -66,7 +66,7 @@ defmodule Moat.PackagingTest do
 
   # Everything tracked is in the package except what only this checkout's
   # development uses; the tagged test below compiles the package.
-  @not_packaged ~w(.ci/ .gitignore bench/ bin/ examples/ rustfmt.toml test/)
+  @not_packaged ~w(.ci/ .gitignore bench/ bin/ examples/ notebooks/ rustfmt.toml test/)
 
   test "mix hex.build packs exactly what a project needs to build Moat", %{tmp: tmp} do
     packaged = unpack_package(tmp)

@@ -238,7 +238,9 @@ defmodule Moat do
         %Ref{} = ref ->
           ref
 
-        %Nx.Tensor{data: %Moat.Backend{ref: %Ref{} = ref}} ->
+        # Not %Moat.Backend{}: the struct would make this module depend on
+        # the backend, which depends on it (an xref cycle).
+        %Nx.Tensor{data: %{__struct__: Moat.Backend, ref: %Ref{} = ref}} ->
           ref
 
         other ->

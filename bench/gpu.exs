@@ -1,10 +1,42 @@
 # Moat on a GPU next to PyTorch on the same card, in the same run: matmul
-# (bf16, f16, f32 at 8192), elementwise bandwidth, an eager MLP, transfers
-# and op dispatch. Run by bin/gpu on the H200 (mix run -r bench/support.exs
-# bench/gpu.exs); MOAT_BENCH_PYTHON names the python that has torch
-# (bench/gpu_torch.py runs first). Medians; every ratio is Moat / PyTorch.
+# (bf16, f16, f32 at 8192), elementwise bandwidth, an eager and a jitted
+# MLP (Moat.Compiler), a transformer decoder block, SDPA (Moat.Fast),
+# transfers and op dispatch. Run by bin/gpu on the H200 (mix run -r
+# bench/support.exs bench/gpu.exs); MOAT_BENCH_PYTHON names the python that
+# has torch (bench/gpu_torch.py runs first). Medians; every ratio is Moat /
+# PyTorch (above 1× a rate is ahead, a time behind).
 
 import Bench
+
+defmodule Bench.GpuModels do
+  import Nx.Defn
+
+  defn(mlp(x, w1, w2), do: x |> Nx.dot(w1) |> Nx.max(0) |> Nx.dot(w2))
+
+  # bench/compiler.exs's MLP: 32×784→256→10, relu, softmax.
+  defn small_mlp(x, w1, b1, w2, b2) do
+    h = Nx.max(Nx.dot(x, w1) + b1, 0)
+    logits = Nx.dot(h, w2) + b2
+    e = Nx.exp(logits - Nx.reduce_max(logits, axes: [1], keep_axes: true))
+    e / Nx.sum(e, axes: [1], keep_axes: true)
+  end
+
+  # A pre-norm decoder block (GPT-2 style): d_model 512, 8 heads of 64,
+  # causal self-attention, a 4×d MLP with GELU (sigmoid approximation).
+  # Plain Nx calls (Moat.Fast's are not defn), jitted by Moat.Compiler;
+  # bench/gpu_torch.py has the same block.
+  def decoder_block(x, ln1_w, ln1_b, wqkv, wo, ln2_w, ln2_b, w1, w2, t) do
+    heads = fn m -> m |> Nx.reshape({1, t, 8, 64}) |> Nx.transpose(axes: [0, 2, 1, 3]) end
+    qkv = x |> Moat.Fast.layer_norm(ln1_w, ln1_b, eps: 1.0e-5) |> Nx.dot(wqkv)
+    [q, k, v] = for i <- 0..2, do: heads.(Nx.slice_along_axis(qkv, 512 * i, 512, axis: 2))
+    a = Moat.Fast.scaled_dot_product_attention(q, k, v, mask: :causal)
+    x = a |> Nx.transpose(axes: [0, 2, 1, 3]) |> Nx.reshape({1, t, 512}) |> Nx.dot(wo) |> Nx.add(x)
+    u = x |> Moat.Fast.layer_norm(ln2_w, ln2_b, eps: 1.0e-5) |> Nx.dot(w1)
+    u |> Nx.multiply(Nx.sigmoid(Nx.multiply(u, 1.702))) |> Nx.dot(w2) |> Nx.add(x)
+  end
+end
+
+alias Bench.GpuModels
 
 info = Moat.Worker.info()
 :gpu = info.device
@@ -83,7 +115,52 @@ w2 = data.({h, d}, :bf16) |> Nx.divide(128)
 mlp = fn -> xin |> Nx.dot(w1) |> Nx.max(0) |> Nx.dot(w2) end
 us = timed.(10, 5, mlp)
 results = Map.put(results, "mlp_tflops", 2 * 2 * tok * d * h / (us * 1.0e6))
+# The same MLP jitted by Moat.Compiler: one program per call.
+jit_mlp = Nx.Defn.jit(&GpuModels.mlp/3, compiler: Moat.Compiler)
+us = timed.(10, 5, fn -> jit_mlp.(xin, w1, w2) end)
+results = Map.put(results, "jit_mlp_tflops", 2 * 2 * tok * d * h / (us * 1.0e6))
 Enum.each([xin, w1, w2], &Nx.backend_deallocate/1)
+
+# The small MLP of bench/compiler.exs, jitted: one call and its readback.
+small =
+  for {s, i} <- Enum.with_index([{32, 784}, {784, 256}, {256}, {256, 10}, {10}]), do: data.(s, :f32) |> Nx.divide(i + 8)
+
+jit_small = Nx.Defn.jit(&GpuModels.small_mlp/5, compiler: Moat.Compiler)
+for _ <- 1..20, do: Nx.to_binary(apply(jit_small, small))
+results = Map.put(results, "small_mlp_us", samples(500, fn -> Nx.to_binary(apply(jit_small, small)) end) |> median())
+
+# The decoder block, jitted, bf16, batch 1: ten calls queued per evaluation
+# (µs per block), and one call waited for (Moat.eval, no readback).
+params =
+  for {s, i} <- Enum.with_index([{512}, {512}, {512, 1536}, {512, 512}, {512}, {512}, {512, 2048}, {2048, 512}]),
+      do:
+        data.(s, :bf16) |> Nx.divide(if(tuple_size(s) == 1, do: 1, else: 32)) |> Nx.add(if(i in [0, 4], do: 1, else: 0))
+
+results =
+  Enum.reduce([1, 128], results, fn t, acc ->
+    x = data.({1, t, 512}, :bf16)
+    block = Nx.Defn.jit(&GpuModels.decoder_block(&1, &2, &3, &4, &5, &6, &7, &8, &9, t), compiler: Moat.Compiler)
+    call = fn -> apply(block, [x | params]) end
+    queued = timed.(10, 10, call)
+    one = samples(200, fn -> :ok = Moat.eval([call.().data.ref]) end) |> median()
+    acc |> Map.put("block#{t}_us", queued) |> Map.put("block#{t}_one_us", one)
+  end)
+
+# SDPA (Moat.Fast), bf16, causal: prefill (4 × 32 heads × 2048 tokens of
+# 128) in TFLOP/s (the causal half counted), and one decode step (32 query
+# heads over 8 kv heads, a 1024-token prefix) in µs, ten queued.
+[q, k, v] = for _ <- 1..3, do: data.({4, 32, 2048, 128}, :bf16)
+us = timed.(10, 10, fn -> Moat.Fast.scaled_dot_product_attention(q, k, v, mask: :causal) end)
+results = Map.put(results, "sdpa_tflops", 2 * 2 * 4 * 32 * 2048 * 2048 * 128 * 0.5 / (us * 1.0e6))
+Enum.each([q, k, v], &Nx.backend_deallocate/1)
+{q, k, v} = {data.({1, 32, 1, 128}, :bf16), data.({1, 8, 1024, 128}, :bf16), data.({1, 8, 1024, 128}, :bf16)}
+
+results =
+  Map.put(
+    results,
+    "sdpa_decode_us",
+    timed.(10, 10, fn -> Moat.Fast.scaled_dot_product_attention(q, k, v, mask: :causal) end)
+  )
 
 # Transfers of 1 GiB: bytes in the VM to a tensor in the worker (the first
 # GPU op moves it to the card), and an evaluated GPU tensor back.
@@ -142,6 +219,14 @@ rows = [
   {"matmul f32 8192³, TF32 (`tf32: true`; PyTorch `allow_tf32`) (TFLOP/s)", "matmul_tf32"},
   {"add f32, 256M elements (GB/s, 3 × 1 GiB moved)", "add_gbps"},
   {"eager MLP bf16 4096×4096→16384→4096 (TFLOP/s)", "mlp_tflops"},
+  {"jitted MLP (Moat.Compiler; PyTorch eager), same shapes (TFLOP/s)", "jit_mlp_tflops"},
+  {"jitted MLP f32 32×784→256→10 + softmax, call + readback (µs)", "small_mlp_us"},
+  {"decoder block bf16 (d 512, 8 heads), seq 1, 10 queued (µs per block)", "block1_us"},
+  {"decoder block, seq 1, one call waited for (µs)", "block1_one_us"},
+  {"decoder block, seq 128, 10 queued (µs per block)", "block128_us"},
+  {"decoder block, seq 128, one call waited for (µs)", "block128_one_us"},
+  {"SDPA bf16 causal, 4×32 heads×2048×128 (TFLOP/s)", "sdpa_tflops"},
+  {"SDPA bf16 decode, 32 q heads over 8 kv heads, 1024 keys (µs)", "sdpa_decode_us"},
   {"from_binary 1 GiB + first GPU op (GB/s)", "from_binary_gbps"},
   {"to_binary 1 GiB (GB/s)", "to_binary_gbps"},
   {"op dispatch, chained small adds (µs/op)", "dispatch_us"},

@@ -55,7 +55,8 @@ defmodule Moat.Compiler do
 
     * `:worker` - the `Moat.Worker` to run on (default `Moat.Worker`);
       inputs on other workers or backends are copied there
-    * `:device` - `:cpu` (default)
+    * `:device` - `:cpu` or `:gpu`; by default the device the worker runs
+      its ops on
     * `:on_unsupported` - `:evaluate` (default) or `:raise`, see above
     * `:fuse` - `true` runs programs (or `while` iterations) made only of
       element-wise, shape, reduction and dot ops through
@@ -136,7 +137,7 @@ defmodule Moat.Compiler do
 
   defp options(opts) do
     opts = Keyword.take(opts, [:worker, :device, :on_unsupported, :max_concurrency, :hooks, :fuse])
-    opts = Keyword.merge([worker: Moat.Worker, device: :cpu, on_unsupported: :evaluate, fuse: false], opts)
+    opts = Keyword.merge([worker: Moat.Worker, device: nil, on_unsupported: :evaluate, fuse: false], opts)
 
     unless opts[:on_unsupported] in [:evaluate, :raise] do
       raise ArgumentError,
@@ -159,6 +160,9 @@ defmodule Moat.Compiler do
   # Builds the graph, lowers it and defines its program in the worker;
   # returns the compiled function and its program term (nil on fallback).
   defp build(vars, fun, opts) do
+    # nil: the device the worker runs its ops on.
+    opts = Keyword.put(opts, :device, opts[:device] || Map.get(Moat.Worker.info(opts[:worker]), :device, :cpu))
+
     :telemetry.span([:moat, :compile], %{worker: opts[:worker]}, fn ->
       result = fun.(vars)
       expr = Composite.traverse(result, &Nx.devectorize/1)

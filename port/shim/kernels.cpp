@@ -2,14 +2,17 @@
 // graph like MLX's own ops, evaluated on MLX's CPU stream thread, split over
 // the cores for large inputs. The kernel set (AVX2 or scalar) is chosen once
 // at start from what cpuid reports.
+#include <algorithm>
 #include <atomic>
 #include <iterator>
+#include <limits>
 #include <stdexcept>
 #include <thread>
 
 #include "kernels.h"
 #include "qmm.h"
 #include "mlx/backend/cpu/encoder.h"
+#include "mlx/fast.h"
 #include "mlx/primitives.h"
 #include "shim_core.hpp"
 
@@ -145,6 +148,51 @@ mx::array mlx_op(k::Op op, const mx::array& x) {
   }
 }
 
+// -- On the GPU: the same functions computed in double precision on the
+// card and rounded once to f32 (then to f16 or bf16) (CUDA's own f32 atan2, exp, log… are 1 to 2 ulp
+// off, which Nx's results show in the last printed digit). MLX compiles
+// each kernel once (NVRTC) when it is first used.
+
+const char* const kGpuNames[k::POW] = {
+    "moat_exp", "moat_expm1", "moat_log", "moat_log1p", "moat_tanh", "moat_sigmoid",
+    "moat_erf", "moat_erfc",  "moat_sin", "moat_cos",   "moat_rsqrt",
+};
+const char* const kGpuExprs[k::POW] = {
+    "exp(a)", "expm1(a)", "log(a)", "log1p(a)", "tanh(a)", "1.0 / (1.0 + exp(-a))",
+    "erf(a)", "erfc(a)",  "sin(a)", "cos(a)",   "rsqrt(a)",
+};
+
+// Whether the double-precision GPU kernel takes x: a float of `types` on a
+// GPU default device, non-empty, and few enough elements for one 1-D shape.
+bool gpu_kernel_takes(const mx::array& x, std::initializer_list<mx::Dtype> types) {
+  return mx::default_device() == mx::Device::gpu && std::find(types.begin(), types.end(), x.dtype()) != types.end() &&
+         x.size() > 0 && x.size() <= static_cast<size_t>(std::numeric_limits<int32_t>::max());
+}
+
+// y[i] = (float) expr over the flattened inputs (`a`, and `b` when there are
+// two, of one shape), computed in double; the result takes `shape`.
+mx::array gpu_kernel(const char* name, const char* expr, const std::vector<mx::array>& in,
+                     const mx::Shape& shape) {
+  const bool binary = in.size() == 2;
+  std::string source =
+      "const long long n = a_in_shape[0];\n"
+      "for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;\n"
+      "     i += (long long)blockDim.x * gridDim.x) {\n"
+      "  const double a = static_cast<double>(a_in[i]);\n";
+  if (binary) source += "  const double b = static_cast<double>(b_in[i]);\n";
+  source += std::string("  y[i] = static_cast<float>(") + expr + ");\n}\n";
+  std::vector<std::string> names = {"a_in"};
+  if (binary) names.push_back("b_in");
+  auto kernel = mx::fast::cuda_kernel(name, names, {"y"}, source, "", true, 0);
+  const int n = static_cast<int>(in[0].size());
+  std::vector<mx::array> flat;
+  for (auto& x : in) flat.push_back(mx::reshape(x, {n}));
+  // At most 2^24 threads; each takes every 2^24th element after its first.
+  const int threads = std::min(n, 1 << 24);
+  auto out = kernel(flat, {{n}}, {mx::float32}, {threads, 1, 1}, {256, 1, 1}, {}, std::nullopt, false, {});
+  return mx::reshape(out[0], shape);
+}
+
 }  // namespace
 
 const k::Rows* k::cpu_rows() { return ours() ? selected_rows.load() : nullptr; }
@@ -187,6 +235,13 @@ int moat_kernel_unary(int op, const moat_array* a, moat_array** out) {
   return produce(out, [&] {
     if (op < 0 || op >= k::POW) throw std::invalid_argument("[moat kernels] unknown unary op");
     const mx::array& x = arr(a);
+    // f16 and bf16 too: MLX's CUDA kernels compute some of these in the
+    // half type itself (sigmoid was 253 ulp off in f16).
+    if (gpu_kernel_takes(x, {mx::float32, mx::float16, mx::bfloat16})) {
+      auto wide = x.dtype() == mx::float32 ? x : mx::astype(x, mx::float32);
+      auto y = gpu_kernel(kGpuNames[op], kGpuExprs[op], {wide}, x.shape());
+      return x.dtype() == mx::float32 ? y : mx::astype(y, x.dtype());
+    }
     // MLX has no erfc (1 - erf loses the small values): it always runs here.
     if (!ours() && op != k::ERFC) return mlx_op(static_cast<k::Op>(op), x);
     storage(x.dtype());
@@ -207,6 +262,15 @@ int moat_kernel_power(const moat_array* a, const moat_array* b, moat_array** out
     std::vector<mx::array> in = {laid_out(both[0], true, s),
                                  arr(b).size() == 1 ? both[1] : laid_out(both[1], true, s)};
     return mx::array(both[0].shape(), both[0].dtype(), std::make_shared<Kernel>(s, k::POW), std::move(in));
+  });
+}
+
+int moat_kernel_atan2(const moat_array* a, const moat_array* b, moat_array** out) {
+  return produce(out, [&] {
+    if (!gpu_kernel_takes(arr(a), {mx::float32}) || arr(b).dtype() != mx::float32) return mx::arctan2(arr(a), arr(b));
+    auto both = mx::broadcast_arrays({arr(a), arr(b)});
+    if (both[0].size() == 0) return mx::arctan2(both[0], both[1]);
+    return gpu_kernel("moat_atan2", "atan2(a, b)", both, both[0].shape());
   });
 }
 

@@ -303,11 +303,15 @@ enum moat_kernel_op {
   MOAT_K_ERF, MOAT_K_ERFC, MOAT_K_SIN, MOAT_K_COS, MOAT_K_RSQRT,
 };
 int moat_kernels_select(int want, int* selected);
-// op(a); MLX's own op when the default device is not the CPU or the set is
-// MOAT_KERNELS_MLX (except erfc, which MLX lacks: always here, scalar then).
+// op(a); on a GPU default device computed in double on the GPU and rounded
+// to f32 (then to f16 or bf16); on the CPU, MLX's own op when the set is
+// MOAT_KERNELS_MLX (except erfc, which MLX lacks: the scalar kernel).
 int moat_kernel_unary(int op, const moat_array* a, moat_array** out);
 // a ** b with broadcasting; operands of one type.
 int moat_kernel_power(const moat_array* a, const moat_array* b, moat_array** out);
+// atan2(a, b) with broadcasting: MLX's op, except f32 on a GPU default
+// device, computed in double on the GPU and rounded once.
+int moat_kernel_atan2(const moat_array* a, const moat_array* b, moat_array** out);
 
 // -- quantized weights (quant.cpp)
 // A quantized weight is one uint8 vector (protocol.md, "Quantized

@@ -2,6 +2,9 @@
 //! through a real worker: their ulp bounds against f64 references, the
 //! scalar fallback forced by MOAT_CPU_FEATURES, the kernel set announced in
 //! the hello, and inputs that are strided, broadcast, empty or half-width.
+//! The workers run on the CPU device (`--device cpu`), so that a CUDA build
+//! tests its CPU kernels too; on a GPU, f32 has kernels of its own (the last
+//! test).
 
 mod common;
 
@@ -114,14 +117,17 @@ fn compute(w: &mut Worker, op: &str, seq: u64) -> Vec<f32> {
     out
 }
 
+/// The worker's options: the CPU device, whatever the build has.
+const CPU: [&str; 2] = ["--device", "cpu"];
+
 fn forced(set: &str) -> Worker {
-    Worker::start_env(&[], &[("MOAT_CPU_FEATURES", set)])
+    Worker::start_env(&CPU, &[("MOAT_CPU_FEATURES", set)])
 }
 
 #[test]
 fn the_hello_names_the_kernel_set_the_cpu_supports_or_the_one_forced() {
     let cpu = |w: &Worker| w.hello.as_tuple().unwrap()[2].get("cpu").cloned();
-    let w = Worker::start(&[]);
+    let w = Worker::start(&CPU);
     let best = if has_avx512() {
         "avx512"
     } else if has_avx2() {
@@ -255,7 +261,7 @@ fn pow_by_one_exponent_keeps_its_bound_and_half_types_round_once() {
 
 #[test]
 fn strided_broadcast_and_empty_inputs_give_what_contiguous_ones_do() {
-    let mut w = Worker::start(&[]);
+    let mut w = Worker::start(&CPU);
     let xs: Vec<f32> = (0..24).map(|i| i as f32 * 0.37 - 4.0).collect();
     w.upload_f32(1, &[4, 6], &xs);
     let f32_type = || ("type", ty("f", 32));
@@ -366,4 +372,44 @@ fn half_width_types_round_the_f32_result_once() {
             w.request(0, "release", &[], &[2, 3], nil());
         }
     }
+}
+
+#[test]
+fn on_a_gpu_f32_functions_are_computed_in_double_and_rounded_once() {
+    let mut w = Worker::start(&[]);
+    if !w.on_gpu() {
+        eprintln!("skipped: this worker runs on the CPU (the GPU kernels run where the hello announces device gpu)");
+        return;
+    }
+    let xs = sweep();
+    w.upload_f32(1, &[xs.len() as i32], &xs);
+    // Rounded once from double: within half an ulp (and a hair for the
+    // double result's own error); subnormal results are left out (a kernel
+    // may flush them to zero).
+    let normal = |e: f64| !(e != 0.0 && e.abs() < f32::MIN_POSITIVE as f64);
+    let worst_normal = |got: &[f32], exact: &dyn Fn(usize) -> f64| {
+        (0..got.len())
+            .filter(|&i| normal(exact(i)))
+            .map(|i| (ulps(got[i], exact(i)), i))
+            .fold((0.0, 0), |a, b| if b.0 > a.0 { b } else { a })
+    };
+    for (i, (op, _, exact)) in OPS.iter().enumerate() {
+        let got = compute(&mut w, op, i as u64 + 1);
+        if let Some(exact) = exact {
+            let (ulp, at) = worst_normal(&got, &|i| exact(xs[i] as f64));
+            assert!(ulp <= 0.51, "{op} on the GPU: {ulp} ulp at {:e}", xs[at]);
+        }
+    }
+    let ys: Vec<f32> = xs.iter().rev().copied().collect();
+    w.upload_f32(2, &[ys.len() as i32], &ys);
+    w.request(0, "atan2", &[50], &[1, 2], typed("f", 32));
+    let got = w.read_f32(40, 50);
+    let (ulp, at) = worst_normal(&got, &|i| (xs[i] as f64).atan2(ys[i] as f64));
+    assert!(
+        ulp <= 0.51,
+        "atan2 on the GPU: {ulp} ulp at ({:e}, {:e})",
+        xs[at],
+        ys[at]
+    );
+    w.close(Duration::from_secs(5));
 }

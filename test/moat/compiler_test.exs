@@ -219,7 +219,8 @@ defmodule Moat.CompilerTest do
   end
 
   test "Moat.Compiler's backend and partitions" do
-    assert Moat.Compiler.__to_backend__(worker: :w) == {Moat.Backend, worker: :w, device: :cpu}
+    # device nil: the worker's own.
+    assert Moat.Compiler.__to_backend__(worker: :w) == {Moat.Backend, worker: :w, device: nil}
     assert length(Moat.Compiler.__partitions_options__(max_concurrency: 3)) == 3
   end
 end

@@ -124,20 +124,17 @@ defmodule Moat.NxDoctestTest do
     "Nx.tensor/2 (38)"
   ]
 
-  # Last-digit f32 differences of CUDA's math library (atan2, phase, the
-  # exp/log of logsumexp) and of the GPU's cholesky arithmetic.
+  # Other GPU-only differences. cuSOLVER's Cholesky (MLX's CUDA backend)
+  # rounds one entry of this factor 1 ulp away from LAPACK's and Nx's
+  # (1.5877134 for 1.5877135); re-run below within tolerance. f32 atan2,
+  # phase and the exp/log of the other logsumexp examples, which CUDA's own
+  # f32 functions put an ulp off, are computed in double on the GPU and pass.
+  # MLX's CUDA column reduction adds the three exponentials of
+  # logsumexp(axes: [:x]) in another order than Nx's left to right, which
+  # shows in the last digit (5.142932 for 5.1429315).
   gpu_ulp = [
     "Nx.LinAlg.cholesky/1 (5)",
-    "Nx.atan2/2 (330)",
-    "Nx.atan2/2 (331)",
-    "Nx.atan2/2 (332)",
-    "Nx.logsumexp/2 (974)",
-    "Nx.logsumexp/2 (975)",
-    "Nx.logsumexp/2 (976)",
-    "Nx.logsumexp/2 (977)",
-    "Nx.logsumexp/2 (978)",
-    "Nx.phase/1 (504)",
-    "Nx.phase/1 (506)"
+    "Nx.logsumexp/2 (974)"
   ]
 
   {gpu_linalg, gpu_nx} =
@@ -153,6 +150,15 @@ defmodule Moat.NxDoctestTest do
     test "cholesky" do
       l = Nx.LinAlg.cholesky(Nx.tensor([[[2.0, 3.0], [3.0, 5.0]], [[1.0, 0.0], [0.0, 1.0]]]))
       assert_close(l, [[[1.4142135, 0.0], [2.1213205, 0.7071065]], [[1.0, 0.0], [0.0, 1.0]]])
+
+      t = Nx.tensor([[6.0, 3.0, 4.0, 8.0], [3.0, 6.0, 5.0, 1.0], [4.0, 5.0, 10.0, 7.0], [8.0, 1.0, 7.0, 25.0]])
+
+      assert_close(Nx.LinAlg.cholesky(t), [
+        [2.4494898, 0.0, 0.0, 0.0],
+        [1.2247448, 2.1213202, 0.0, 0.0],
+        [1.6329931, 1.4142138, 2.309401, 0.0],
+        [3.2659862, -1.4142134, 1.5877135, 3.132491]
+      ])
     end
 
     test "determinant" do

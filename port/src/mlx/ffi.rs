@@ -37,6 +37,7 @@ extern "C" {
     pub fn moat_kernels_select(want: c_int, selected: *mut c_int) -> c_int;
     pub fn moat_kernel_unary(op: c_int, a: *const moat_array, out: *mut *mut moat_array) -> c_int;
     pub fn moat_kernel_power(a: *const moat_array, b: *const moat_array, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_kernel_atan2(a: *const moat_array, b: *const moat_array, out: *mut *mut moat_array) -> c_int;
 
     pub fn moat_device_available(device: c_int, out: *mut c_int) -> c_int;
     pub fn moat_set_default_device(device: c_int) -> c_int;

@@ -75,8 +75,9 @@ pub enum Op {
     Rsqrt,
 }
 
-/// `op(a)` for an f32, f16 or bf16 array, lazily (MLX's own op when the
-/// default device is not the CPU, except erfc).
+/// `op(a)` for an f32, f16 or bf16 array, lazily. On a GPU default device
+/// it is computed in double on the GPU and rounded to f32 (then to the half
+/// type): CUDA's f32 functions are an ulp or two off, MLX's half ones more.
 pub fn unary(op: Op, a: &Array) -> Result<Array> {
     // SAFETY: the input is a live array borrowed for the call.
     Array::from_call(|out| unsafe { ffi::moat_kernel_unary(op as c_int, a.raw(), out) })
@@ -86,4 +87,12 @@ pub fn unary(op: Op, a: &Array) -> Result<Array> {
 pub fn power(a: &Array, b: &Array) -> Result<Array> {
     // SAFETY: both inputs are live arrays borrowed for the call.
     Array::from_call(|out| unsafe { ffi::moat_kernel_power(a.raw(), b.raw(), out) })
+}
+
+/// `atan2(a, b)` with broadcasting: MLX's op, except f32 on a GPU default
+/// device, computed in double on the GPU and rounded once (CUDA's f32
+/// atan2 is off by an ulp where Nx's is not).
+pub fn atan2(a: &Array, b: &Array) -> Result<Array> {
+    // SAFETY: both inputs are live arrays borrowed for the call.
+    Array::from_call(|out| unsafe { ffi::moat_kernel_atan2(a.raw(), b.raw(), out) })
 }

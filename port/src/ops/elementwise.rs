@@ -256,7 +256,7 @@ fn scale(r: &Array, s: &Array) -> Result<Array> {
 }
 
 fn phase_of(z: &Array) -> Result<Array> {
-    ops::arctan2(&ops::imag(z)?, &ops::real(z)?)
+    kernels::atan2(&ops::imag(z)?, &ops::real(z)?)
 }
 
 // MLX has no complex kernel for expm1, sigmoid or atan2: they are composed
@@ -290,7 +290,7 @@ fn sigmoid_other(t: &Array) -> Result<Array> {
 pub fn atan2(x: &[&Array], a: &Term) -> Outputs {
     let (l, r) = (to_out_type(x[0], a)?, to_out_type(x[1], a)?);
     if !is_complex(l.dtype()) {
-        return finish(ops::arctan2(&l, &r), a);
+        return finish(kernels::atan2(&l, &r), a);
     }
     for side in [&l, &r] {
         let im = ops::imag(side)?;
@@ -300,7 +300,7 @@ pub fn atan2(x: &[&Array], a: &Term) -> Outputs {
             return Err("atan2 accepts complex numbers with a zero imaginary part only".into());
         }
     }
-    let angle = ops::arctan2(&ops::real(&l)?, &ops::real(&r)?)?;
+    let angle = kernels::atan2(&ops::real(&l)?, &ops::real(&r)?)?;
     finish(complex(&angle, &zeros_like(&angle)?), a)
 }
 
@@ -378,8 +378,8 @@ pub fn logical_not(x: &[&Array], a: &Term) -> Outputs {
 /// Nx.Block.Phase: `atan2(imag, real)`; 0 or pi for real inputs.
 pub fn phase(x: &[&Array], a: &Term) -> Outputs {
     if is_complex(x[0].dtype()) {
-        return finish(ops::imag(x[0]).and_then(|im| ops::arctan2(&im, &ops::real(x[0])?)), a);
+        return finish(ops::imag(x[0]).and_then(|im| kernels::atan2(&im, &ops::real(x[0])?)), a);
     }
     let t = to_out_type(x[0], a)?;
-    finish(zeros_like(&t).and_then(|z| ops::arctan2(&z, &t)), a)
+    finish(zeros_like(&t).and_then(|z| kernels::atan2(&z, &t)), a)
 }

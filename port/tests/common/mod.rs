@@ -191,6 +191,21 @@ impl Worker {
         wait_for(&mut child, within)
     }
 
+    /// Whether the worker runs its ops on a GPU (the hello's `device`: the
+    /// CUDA build where it sees one).
+    pub fn on_gpu(&self) -> bool {
+        matches!(self.hello.as_tuple(), Some([_, _, info]) if info.get("device") == Some(&Term::atom("gpu")))
+    }
+
+    /// True, after saying why on stderr, when the worker runs on a GPU: the
+    /// caller returns early (a test of what holds on the CPU only).
+    pub fn skip_on_gpu(&self, test: &str, why: &str) -> bool {
+        if self.on_gpu() {
+            eprintln!("{test}: skipped on the GPU worker: {why}");
+        }
+        self.on_gpu()
+    }
+
     pub fn pid(&self) -> u32 {
         self.child.id()
     }

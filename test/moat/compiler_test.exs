@@ -178,6 +178,14 @@ defmodule Moat.CompilerTest do
     end
   end
 
+  test "c128 math that Moat.Backend runs on Nx.BinaryBackend falls back to the evaluator" do
+    z = Nx.complex(t([0.5, 1.0], type: :f64), t([0.25, -1.0], type: :f64))
+    assert Nx.type(z) == {:c, 128}
+    assert_same(jit(&Nx.cos/1).(z), evaluate(&Nx.cos/1).(z))
+    grad = fn x -> Nx.Defn.grad(x, &Nx.sum(Nx.cos(&1))) end
+    assert_same(jit(grad).(z), evaluate(grad).(z))
+  end
+
   test "hooks run through the evaluator" do
     parent = self()
     fun = fn x -> x |> Nx.multiply(2) |> Nx.Defn.Kernel.hook(:seen, &send(parent, {:hook, &1})) end

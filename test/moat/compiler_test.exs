@@ -186,6 +186,16 @@ defmodule Moat.CompilerTest do
     assert_same(jit(grad).(z), evaluate(grad).(z))
   end
 
+  test "arguments of the same tensors in other containers lower apart" do
+    id = jit(& &1)
+    assert %Nx.Tensor{} = id.(t(1))
+    assert {%Nx.Tensor{}} = id.({t(1)})
+    keys = jit(fn map -> Map.new(map, fn {k, v} -> {k, Nx.add(v, 1)} end) end)
+    assert %{iteration: a, abc: _} = keys.(%{iteration: t(0), abc: t(1)})
+    assert %{iteration: b, xyz: _} = keys.(%{iteration: t(0), xyz: t(1)})
+    assert Nx.to_number(a) == 1 and Nx.to_number(b) == 1
+  end
+
   test "hooks run through the evaluator" do
     parent = self()
     fun = fn x -> x |> Nx.multiply(2) |> Nx.Defn.Kernel.hook(:seen, &send(parent, {:hook, &1})) end

@@ -31,6 +31,36 @@ defmodule Bench.Models do
     acc
   end
 
+  # A transformer decoder block (pre-norm, d_model 512, 8 heads, causal
+  # attention, MLP 2048 with a sigmoid-GELU) on a {seq, 512} input: plain Nx
+  # calls, so the same function runs eagerly and jitted.
+  def decoder(x, p) do
+    {s, d} = Nx.shape(x)
+    heads = 8
+    dh = div(d, heads)
+    split = fn t -> t |> Nx.reshape({s, heads, dh}) |> Nx.transpose(axes: [1, 0, 2]) end
+    h = layer_norm(x, p.g1, p.b1)
+    {q, k, v} = {split.(Nx.dot(h, p.wq)), split.(Nx.dot(h, p.wk)), split.(Nx.dot(h, p.wv))}
+    scores = Nx.dot(q, [2], [0], k, [2], [0]) |> Nx.multiply(1 / :math.sqrt(dh))
+    causal = Nx.greater_equal(Nx.iota({s, s}, axis: 0), Nx.iota({s, s}, axis: 1))
+    scores = Nx.select(Nx.broadcast(causal, {heads, s, s}), scores, -1.0e9)
+    e = Nx.exp(Nx.subtract(scores, Nx.reduce_max(scores, axes: [2], keep_axes: true)))
+    probs = Nx.divide(e, Nx.sum(e, axes: [2], keep_axes: true))
+    attn = Nx.dot(probs, [2], [0], v, [1], [0]) |> Nx.transpose(axes: [1, 0, 2]) |> Nx.reshape({s, d})
+    x = Nx.add(x, Nx.dot(attn, p.wo))
+    h = layer_norm(x, p.g2, p.b2)
+    up = Nx.add(Nx.dot(h, p.w1), p.c1)
+    gelu = Nx.multiply(up, Nx.sigmoid(Nx.multiply(up, 1.702)))
+    Nx.add(x, Nx.add(Nx.dot(gelu, p.w2), p.c2))
+  end
+
+  defp layer_norm(x, g, b) do
+    mean = Nx.mean(x, axes: [1], keep_axes: true)
+    centered = Nx.subtract(x, mean)
+    var = Nx.mean(Nx.multiply(centered, centered), axes: [1], keep_axes: true)
+    Nx.add(Nx.multiply(Nx.multiply(centered, Nx.rsqrt(Nx.add(var, 1.0e-5))), g), b)
+  end
+
   # SMACOF multidimensional scaling (Guttman transform), as Scholar's MDS
   # iterates it: 300 iterations of a while loop over 100 points in 2-d.
   defn smacof(d, x0) do
@@ -104,6 +134,71 @@ Bench.row(["Moat.Compiler (jit, fuse: true)", Bench.fmt(best.(:fused)), Bench.ra
 Bench.row(["Moat eager (plain Nx calls)", Bench.fmt(best.(:eager)), Bench.ratio(best.(:eager), best.(:jit))])
 Bench.row(["Nx.Defn.Evaluator on Moat", Bench.fmt(best.(:evaluator)), Bench.ratio(best.(:evaluator), best.(:jit))])
 Bench.row(["Nx.Defn.Evaluator on Nx.BinaryBackend", Bench.fmt(binary_mlp), Bench.ratio(binary_mlp, best.(:jit))])
+
+# The decoder block at sequence 1 (a decode step) and 128.
+weight_shapes = %{
+  g1: {512},
+  b1: {512},
+  wq: {512, 512},
+  wk: {512, 512},
+  wv: {512, 512},
+  wo: {512, 512},
+  g2: {512},
+  b2: {512},
+  w1: {512, 2048},
+  c1: {2048},
+  w2: {2048, 512},
+  c2: {512}
+}
+
+bin_weights =
+  weight_shapes
+  |> Enum.with_index()
+  |> Map.new(fn {{k, s}, i} -> {k, Nx.multiply(binary.(s, 100 + i), 0.05)} end)
+
+weights = Map.new(bin_weights, fn {k, t} -> {k, to_moat.(t)} end)
+jit_block = jit.(&M.decoder/2)
+fused_block = Nx.Defn.jit(&M.decoder/2, compiler: Moat.Compiler, fuse: true)
+
+IO.puts("\nTransformer decoder block (d_model 512, 8 heads, causal attention, MLP 2048, sigmoid-GELU; ms):\n")
+Bench.row(["sequence", "eager", "jit", "jit, fuse: true", "Nx.BinaryBackend", "jit vs eager", "fused vs eager"])
+Bench.row(["---", "---:", "---:", "---:", "---:", "---:", "---:"])
+
+for seq <- [1, 128] do
+  bin_x = binary.({seq, 512}, 99)
+  x = to_moat.(bin_x)
+  read.(fused_block.(x, weights))
+  n = if seq == 1, do: 100, else: 20
+
+  block_rounds =
+    for _ <- 1..3 do
+      %{
+        eager: Nx.with_default_backend(Moat.Backend, fn -> med.(n, fn -> read.(M.decoder(x, weights)) end) end),
+        jit: med.(n, fn -> read.(jit_block.(x, weights)) end),
+        fused: med.(n, fn -> read.(fused_block.(x, weights)) end)
+      }
+    end
+
+  b = fn key -> block_rounds |> Enum.map(& &1[key]) |> Enum.min() end
+
+  binary_block =
+    if seq == 1,
+      do:
+        Nx.with_default_backend(Nx.BinaryBackend, fn ->
+          Bench.fmt(med.(1, fn -> read.(M.decoder(bin_x, bin_weights)) end) / 1000)
+        end),
+      else: "–"
+
+  Bench.row([
+    "#{seq}",
+    Bench.fmt(b.(:eager) / 1000),
+    Bench.fmt(b.(:jit) / 1000),
+    Bench.fmt(b.(:fused) / 1000),
+    binary_block,
+    Bench.ratio(b.(:eager), b.(:jit)),
+    Bench.ratio(b.(:eager), b.(:fused))
+  ])
+end
 
 tiny = Nx.backend_copy(Nx.tensor([1.0, 2.0, 3.0, 4.0]), Moat.Backend)
 jit_chain = jit.(&M.chain(&1, 34))

@@ -151,8 +151,13 @@ defmodule Moat.Compiler do
     for {arg, pos} <- Enum.with_index(args), q = Moat.Quantized.info(arg.()), into: %{}, do: {pos, q}
   end
 
+  # The arguments' containers (tuples, map keys) with each tensor's shape,
+  # type, names and vectorized axes: two calls differing in any of them
+  # lower apart (same leaves in other containers give other outputs).
   defp templates(vars) do
-    for %T{shape: s, type: t, names: n, vectorized_axes: v} <- Composite.flatten_list(vars), do: {s, t, n, v}
+    Enum.map(vars, fn var ->
+      Composite.traverse(var, fn %T{shape: s, type: t, names: n, vectorized_axes: v} -> {s, t, n, v} end)
+    end)
   end
 
   ## Lowering

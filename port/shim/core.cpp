@@ -1,11 +1,16 @@
 // Arrays, buffers, evaluation, devices and errors.
 #include <algorithm>
+#include <chrono>
+#include <condition_variable>
 #include <cstddef>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <variant>
 
+#include "mlx/primitives.h"
+#include "mlx/scheduler.h"
 #include "shim_core.hpp"
 
 namespace moat {
@@ -193,6 +198,48 @@ int moat_eval(moat_array* const* arrays, size_t n) {
 
 int moat_async_eval(moat_array* const* arrays, size_t n) {
   return guard([&] { mx::async_eval(to_arrays(arrays, n)); });
+}
+
+namespace {
+// Holds a CPU stream's thread until opened (or a millisecond passes, so that
+// nothing can wait on it for longer: MLX's scheduler blocks the caller when
+// too many tasks are queued).
+struct Gate {
+  std::mutex m;
+  std::condition_variable cv;
+  bool open = false;
+
+  void wait() {
+    std::unique_lock<std::mutex> lock(m);
+    cv.wait_for(lock, std::chrono::milliseconds(1), [this] { return open; });
+  }
+};
+
+struct Opener {
+  std::shared_ptr<Gate> gate;
+  ~Opener() {
+    {
+      std::lock_guard<std::mutex> lock(gate->m);
+      gate->open = true;
+    }
+    gate->cv.notify_one();
+  }
+};
+}  // namespace
+
+int moat_async_eval_gated(moat_array* const* arrays, size_t n) {
+  return guard([&] {
+    auto v = to_arrays(arrays, n);
+    bool tracing = std::any_of(v.begin(), v.end(), [](const mx::array& a) { return a.is_tracer(); });
+    if (tracing || v.empty() || !v[0].has_primitive() || v[0].primitive().stream().device != mx::Device::cpu) {
+      mx::async_eval(std::move(v));
+      return;
+    }
+    auto gate = std::make_shared<Gate>();
+    mx::scheduler::enqueue(v[0].primitive().stream(), [gate] { gate->wait(); });
+    Opener opener{gate};
+    mx::async_eval(std::move(v));
+  });
 }
 
 }  // extern "C"

@@ -81,6 +81,10 @@ int moat_compiled_call(const moat_compiled* f, moat_array* const* ins, size_t n_
                        size_t n_outs);
 void moat_compiled_free(moat_compiled* f);
 int moat_async_eval(moat_array* const* arrays, size_t n);
+// async_eval with the CPU stream's thread held until every task of it is
+// queued: the kernels then run back to back, where an idle thread would be
+// woken for each op (a context switch per op on a busy machine).
+int moat_async_eval_gated(moat_array* const* arrays, size_t n);
 
 // Memory (memory.cpp): MLX's allocator statistics and limits.
 size_t moat_active_memory(void);

@@ -325,7 +325,7 @@ pub fn evaluate(arrays: &[&Array]) -> Result<(), EvalError> {
     let pending = memory::pending(arrays).map_err(EvalError::Mlx)?;
     let need = pending.iter().fold(0usize, |sum, p| sum.saturating_add(p.bytes));
     if let Ok(_held) = budget().reserve(need) {
-        return mlx::eval(arrays).map_err(EvalError::Mlx);
+        return eval_batched(pending, arrays);
     }
     let mut step: Vec<Array> = Vec::new();
     let mut step_bytes = 0usize;
@@ -341,6 +341,28 @@ pub fn evaluate(arrays: &[&Array]) -> Result<(), EvalError> {
         step.push(p.node);
     }
     evaluate_step(step, step_bytes)?;
+    mlx::eval(arrays).map_err(EvalError::Mlx)
+}
+
+/// Nodes queued behind one gate (see `mlx::async_eval_gated`): few enough
+/// that MLX's scheduler never holds the caller back while the gate is shut
+/// (it waits once more than ten tasks, each ten kernels, are queued).
+const GATED_NODES: usize = 32;
+
+/// Evaluates `arrays` whose unscheduled nodes are `pending` (in graph
+/// order): each run of nodes is queued with MLX's CPU thread held, so its
+/// kernels run back to back, then the evaluation is waited for. Each run's
+/// handles are dropped once it is queued, so intermediate buffers are freed
+/// as in one `eval`.
+fn eval_batched(pending: Vec<memory::Pending>, arrays: &[&Array]) -> Result<(), EvalError> {
+    if pending.len() > 1 {
+        let mut nodes: Vec<Array> = pending.into_iter().rev().map(|p| p.node).collect();
+        while !nodes.is_empty() {
+            let run = nodes.split_off(nodes.len().saturating_sub(GATED_NODES));
+            let refs: Vec<&Array> = run.iter().rev().collect();
+            mlx::async_eval_gated(&refs).map_err(EvalError::Mlx)?;
+        }
+    }
     mlx::eval(arrays).map_err(EvalError::Mlx)
 }
 

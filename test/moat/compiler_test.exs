@@ -178,6 +178,24 @@ defmodule Moat.CompilerTest do
     end
   end
 
+  test "c128 math that Moat.Backend runs on Nx.BinaryBackend falls back to the evaluator" do
+    z = Nx.complex(t([0.5, 1.0], type: :f64), t([0.25, -1.0], type: :f64))
+    assert Nx.type(z) == {:c, 128}
+    assert_same(jit(&Nx.cos/1).(z), evaluate(&Nx.cos/1).(z))
+    grad = fn x -> Nx.Defn.grad(x, &Nx.sum(Nx.cos(&1))) end
+    assert_same(jit(grad).(z), evaluate(grad).(z))
+  end
+
+  test "arguments of the same tensors in other containers lower apart" do
+    id = jit(& &1)
+    assert %Nx.Tensor{} = id.(t(1))
+    assert {%Nx.Tensor{}} = id.({t(1)})
+    keys = jit(fn map -> Map.new(map, fn {k, v} -> {k, Nx.add(v, 1)} end) end)
+    assert %{iteration: a, abc: _} = keys.(%{iteration: t(0), abc: t(1)})
+    assert %{iteration: b, xyz: _} = keys.(%{iteration: t(0), xyz: t(1)})
+    assert Nx.to_number(a) == 1 and Nx.to_number(b) == 1
+  end
+
   test "hooks run through the evaluator" do
     parent = self()
     fun = fn x -> x |> Nx.multiply(2) |> Nx.Defn.Kernel.hook(:seen, &send(parent, {:hook, &1})) end

@@ -60,6 +60,14 @@ defmodule NxSuite.Swap do
           :ok
         end
       end
+
+      # bin/nx-suite --compiler: Moat.Compiler is the defn compiler.
+      if System.get_env("NX_SUITE_COMPILER") == "moat" do
+        setup do
+          Nx.Defn.default_options(compiler: Moat.Compiler)
+          :ok
+        end
+      end
     end
   end
 end

@@ -221,6 +221,11 @@ defmodule Moat.Compiler.Lower do
         true -> [t | args]
       end
 
+    # What Moat.Backend runs on Nx.BinaryBackend (c128 math MLX lacks)
+    # cannot be a step: the graph runs on the evaluator.
+    [out | rest] = args
+    if Moat.Types.route(op, out, rest) == :fallback, do: Recorder.unsupported!(op)
+
     apply(Moat.Backend, op, args)
   end
 

@@ -89,6 +89,7 @@ extern "C" {
 
     pub fn moat_eval(arrays: *const *mut moat_array, n: usize) -> c_int;
     pub fn moat_async_eval(arrays: *const *mut moat_array, n: usize) -> c_int;
+    pub fn moat_async_eval_gated(arrays: *const *mut moat_array, n: usize) -> c_int;
 
     pub fn moat_compile(
         trace: moat_trace_fn,

@@ -202,6 +202,14 @@ pub fn eval(arrays: &[&Array]) -> Result<()> {
     check(unsafe { ffi::moat_eval(raw.as_ptr(), raw.len()) })
 }
 
+/// Schedules evaluation with the CPU stream's thread held until every
+/// kernel of it is queued (see `moat_async_eval_gated`), and returns.
+pub fn async_eval_gated(arrays: &[&Array]) -> Result<()> {
+    let raw: Vec<*mut ffi::moat_array> = arrays.iter().map(|a| a.raw()).collect();
+    // SAFETY: every pointer is a live array borrowed for the call.
+    check(unsafe { ffi::moat_async_eval_gated(raw.as_ptr(), raw.len()) })
+}
+
 /// Schedules evaluation and returns at once.
 pub fn async_eval(arrays: &[&Array]) -> Result<()> {
     let raw: Vec<*mut ffi::moat_array> = arrays.iter().map(|a| a.raw()).collect();

@@ -262,9 +262,20 @@ defmodule Moat.Backend do
   @emulated Moat.Types.emulated()
 
   @enforce_keys [:ref]
-  defstruct [:ref, device: :cpu]
+  defstruct [:ref, device: :cpu, host: nil]
 
-  @type t :: %__MODULE__{ref: Moat.Ref.t() | Moat.Compiler.Recorder.slot(), device: :cpu | :gpu}
+  # `host`: the tensor's bytes in Nx's layout when it was made from BEAM data
+  # (`from_binary`, `constant`) and is small. The value checks Nx.BinaryBackend
+  # makes at the call (indices in range, shift amounts, real atan2
+  # arguments) read it, so they raise at the call with no round trip.
+  @type t :: %__MODULE__{
+          ref: Moat.Ref.t() | Moat.Compiler.Recorder.slot(),
+          device: :cpu | :gpu,
+          host: bitstring() | nil
+        }
+
+  # The largest tensor (in bits) whose bytes a handle keeps.
+  @host_bits 256 * 8
 
   alias Moat.{Client, Ref, Types}
   alias Moat.Compiler.Recorder
@@ -287,10 +298,14 @@ defmodule Moat.Backend do
   def from_binary(%T{shape: shape, type: type} = out, binary, opts) do
     device = device!(worker(opts), opts)
     gpu_type!(type, device, :from_binary)
-    {binary, dims, stored} = Types.to_storage(binary, Tuple.to_list(shape), type)
-    ref = Moat.from_binary(binary, dims, stored, worker: worker(opts))
-    wrap(out, ref, device)
+    {stored_binary, dims, stored} = Types.to_storage(binary, Tuple.to_list(shape), type)
+    ref = Moat.from_binary(stored_binary, dims, stored, worker: worker(opts))
+    %{wrap(out, ref, device) | data: %__MODULE__{ref: ref, device: device, host: host_copy(binary)}}
   end
+
+  defp host_copy(binary) when bit_size(binary) > @host_bits, do: nil
+  defp host_copy(binary) when is_binary(binary), do: :binary.copy(binary)
+  defp host_copy(bits), do: bits
 
   # Types MLX does not have (Moat.Types) are made in a type MLX has and
   # converted, or (constants) uploaded once and broadcast.
@@ -303,7 +318,11 @@ defmodule Moat.Backend do
 
   def constant(%T{shape: shape, type: type} = out, number, opts) do
     value = Nx.BinaryBackend.constant(%{out | shape: {}}, number, []) |> Nx.to_binary()
-    create(out, :constant, %{value: value, shape: Tuple.to_list(shape), type: Moat.check_type!(type)}, opts)
+    t = create(out, :constant, %{value: value, shape: Tuple.to_list(shape), type: Moat.check_type!(type)}, opts)
+
+    size = Nx.size(out)
+    host = if size * bit_size(value) <= @host_bits, do: :binary.copy(value, size)
+    put_in(t.data.host, host)
   end
 
   @impl true
@@ -516,14 +535,65 @@ defmodule Moat.Backend do
     def unquote(name)(out, tensor), do: op(out, unquote(name), [tensor], %{type: out.type})
   end
 
-  @binary_ops [:add, :subtract, :multiply, :pow, :divide, :atan2, :min, :max] ++
-                [:bitwise_and, :bitwise_or, :bitwise_xor, :left_shift, :right_shift] ++
+  @binary_ops [:add, :subtract, :multiply, :pow, :divide, :min, :max] ++
+                [:bitwise_and, :bitwise_or, :bitwise_xor] ++
                 [:logical_and, :logical_or, :logical_xor]
 
   for name <- @binary_ops do
     @impl true
     def unquote(name)(out, a, b), do: op(out, unquote(name), [a, b], %{type: out.type})
   end
+
+  # Nx.BinaryBackend raises at the call on a negative shift amount and on a
+  # complex atan2 argument with an imaginary part; where the values are
+  # here (see `host`), so does Moat. Otherwise the worker shifts everything
+  # out, or fails the op (`Moat.Error` when read).
+  for {name, word} <- [left_shift: "left", right_shift: "right"] do
+    @impl true
+    def unquote(name)(out, a, b) do
+      with bits when is_bitstring(bits) <- local(b),
+           negative when negative != nil <- Enum.find(numbers(bits, b.type), &(&1 < 0)) do
+        raise ArgumentError, "cannot #{unquote(word)} shift by #{negative}"
+      end
+
+      op(out, unquote(name), [a, b], %{type: out.type})
+    end
+  end
+
+  @impl true
+  def atan2(%T{type: {:c, _}} = out, a, b) do
+    if Enum.any?([a, b], &imaginary_part?/1) do
+      raise ArithmeticError, "Complex.atan2 only accepts real numbers as arguments"
+    end
+
+    op(out, :atan2, [a, b], %{type: out.type})
+  end
+
+  def atan2(out, a, b), do: op(out, :atan2, [a, b], %{type: out.type})
+
+  # Whether a complex tensor's values are here and one has an imaginary
+  # part other than ±0.
+  defp imaginary_part?(%T{type: {:c, bits}} = t) do
+    half = div(bits, 2)
+    negative_zero = Bitwise.bsl(1, half - 1)
+
+    case local(t) do
+      nil -> false
+      data -> Enum.any?(for <<_::size(half), im::native-size(half) <- data>>, do: im not in [0, negative_zero])
+    end
+  end
+
+  defp imaginary_part?(_real), do: false
+
+  # The bytes of a tensor whose values are here: a small one made from BEAM
+  # data, or a small Nx.BinaryBackend one.
+  defp local(%T{data: %__MODULE__{host: host}}), do: host
+  defp local(%T{data: %Nx.BinaryBackend{state: state}}) when bit_size(state) <= @host_bits, do: state
+  defp local(_tensor), do: nil
+
+  defp numbers(bits, {:s, size}), do: for(<<x::signed-native-size(size) <- bits>>, do: x)
+  defp numbers(bits, {:u, size}), do: for(<<x::unsigned-native-size(size) <- bits>>, do: x)
+  defp numbers(_bits, _float), do: []
 
   # Both sides are compared in their merged type; the result is u8.
   @comparison_ops [:equal, :not_equal, :greater, :less, :greater_equal, :less_equal]
@@ -573,13 +643,39 @@ defmodule Moat.Backend do
   # in Nx.BinaryBackend.
 
   @impl true
-  def gather(out, tensor, indices, opts), do: op(out, :gather, [tensor, indices], %{axes: opts[:axes]})
+  def gather(out, tensor, indices, opts) do
+    check_indices!(tensor, indices, opts[:axes])
+    op(out, :gather, [tensor, indices], %{axes: opts[:axes]})
+  end
 
   for name <- [:indexed_add, :indexed_put] do
     @impl true
     def unquote(name)(out, target, indices, updates, opts) do
+      check_indices!(target, indices, opts[:axes])
       op(out, unquote(name), [target, indices, updates], %{axes: opts[:axes], type: out.type})
     end
+  end
+
+  # Indices whose values are here (see `host`) are checked at the call, with
+  # Nx.BinaryBackend's message (axes counted in the index, the shape with
+  # the indexed axes first); the others in the worker.
+  defp check_indices!(tensor, %T{shape: index_shape} = indices, axes) do
+    with bits when is_bitstring(bits) <- local(indices) do
+      all = Nx.axes(tensor)
+      axes = axes || all
+      order = if List.starts_with?(all, axes), do: all, else: axes ++ (all -- axes)
+      shape = List.to_tuple(for a <- order, do: elem(tensor.shape, a))
+      dims = Tuple.to_list(shape)
+      depth = elem(index_shape, tuple_size(index_shape) - 1)
+
+      for index <- Enum.chunk_every(numbers(bits, indices.type), max(depth, 1)),
+          {i, {dim, axis}} <- Enum.zip(index, Enum.with_index(dims)),
+          i < 0 or i >= dim do
+        raise ArgumentError, "index #{i} is out of bounds for axis #{axis} in shape #{inspect(shape)}"
+      end
+    end
+
+    :ok
   end
 
   # Start indices may be scalar tensors (Nx's dynamic slices); the worker

@@ -19,6 +19,7 @@ mod fft;
 mod indexing;
 mod integer;
 mod linalg;
+mod nx_complex;
 mod precise;
 mod reduction;
 mod shape;

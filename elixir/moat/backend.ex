@@ -106,7 +106,8 @@ defmodule Moat.Backend do
       for base 1, ±1 for base -1, else 0); BinaryBackend raises.
     * Shifts by a negative amount or by the bit width or more shift
       everything out: 0, or the sign for signed `right_shift`; BinaryBackend
-      raises on negative amounts.
+      raises on negative amounts, and so does Moat where the amounts are on
+      the BEAM (see "Failures of asynchronous ops" below).
     * Operands of mixed types are converted to the output type before the
       op, as compilers do: an s64 beyond f16's range is infinite in an f16
       `divide`, where BinaryBackend divides the exact integer.
@@ -122,16 +123,18 @@ defmodule Moat.Backend do
       and cumulative ops on them, accumulate in f32 and round once.
     * A descending `sort` may order -0.0 and 0.0 differently (they compare
       equal); `argsort` is stable in both directions, as in Nx.
-    * Complex functions follow C99 on signed zeros (`sqrt(-4 - 0i)` is
-      `-2i`); BinaryBackend ignores the sign of a zero imaginary part. At
-      infinities they follow C99 too where Nx's textbook formulas give NaN
-      or another limit: `tanh(inf + 3i)` is `1 - 0i`, `atan` is `pi/2`,
-      `asinh(inf + 3i)` is `inf + 0i` (Nx: `inf + pi/4 i`), and a complex
-      `product` of `[inf + 3i, -2 + 4i]` is `-inf + inf i` (Nx: NaN). c64
-      `expm1`, `sigmoid` and `atan2` (no MLX kernel) are composed from MLX
-      ops; `cbrt` takes Nx's root (the cube root of the modulus at a third
-      of the phase). A complex `atan2` with a non-zero imaginary part fails
-      the op (Nx raises `ArithmeticError` at the call).
+    * c64 `exp`, `log`, `sqrt`, `rsqrt`, `sigmoid`, trigonometric and
+      hyperbolic functions and their inverses, `pow` and `product` are
+      Nx.BinaryBackend's: the `Complex` library's formulas evaluated in f64
+      with its clauses for infinite and NaN parts, rounded once (so
+      `tanh(inf + 3i)` is NaN and `asinh(inf + 3i)` is `inf + pi/4 i`, as in
+      Nx, not C99's limits; a complex `product` folds from `1 + 0i` with the
+      textbook multiplication, pairwise). c64 `expm1` and `atan2` (no MLX
+      kernel) are composed from MLX ops; `cbrt` takes Nx's root (the cube
+      root of the modulus at a third of the phase; Nx.BinaryBackend raises).
+      A complex `atan2` with a non-zero imaginary part raises
+      `ArithmeticError` at the call where its values are on the BEAM (see
+      below), else fails the op.
     * `to_pointer/2` and `from_pointer/5` raise `ArgumentError`: tensor data
       lives in the worker process, whose addresses mean nothing to the BEAM
       or to other processes, and a shared-memory IPC segment would outlive
@@ -144,6 +147,12 @@ defmodule Moat.Backend do
       zero, singular matrices in `triangular_solve` and `solve`) raise a
       `Moat.Error` naming the op when the result is read, where
       Nx.BinaryBackend raises `ArgumentError` or `ArithmeticError` at the call.
+      Values that are on the BEAM are checked at the call, with Nx's
+      message and no round trip: a small tensor (up to 256 bytes) made by
+      `Nx.tensor/2`, `Nx.from_binary/3` or from a number keeps its bytes in
+      its handle, and Nx.BinaryBackend tensors are read, for the indices of
+      `gather`, `indexed_add` and `indexed_put`, shift amounts (negative:
+      `ArgumentError`) and complex `atan2` arguments.
     * `quotient` and `remainder` follow Nx (truncation; the remainder has the
       dividend's sign; `MIN / -1` wraps to `MIN`). A float `remainder` by zero
       is NaN (Nx.BinaryBackend raises).

@@ -397,6 +397,13 @@ pub fn product(t: &Array, axes: &[i32], keep: bool) -> Result<Array> {
     let shape = t.shape();
     let rank = shape.len() as i32;
     let reduced: Vec<i32> = axes.iter().map(|&a| if a < 0 { a + rank } else { a }).collect();
+    for (n, &a) in reduced.iter().enumerate() {
+        if !(0..rank).contains(&a) || reduced[..n].contains(&a) {
+            return Err(Error::new(format!(
+                "axes {axes:?} are not distinct axes of shape {shape:?}"
+            )));
+        }
+    }
     let kept: Vec<i32> = (0..rank).filter(|a| !reduced.contains(a)).collect();
     let perm: Vec<i32> = kept.iter().chain(reduced.iter()).copied().collect();
     let kept_dims: Vec<i32> = kept.iter().map(|&a| shape[a as usize]).collect();

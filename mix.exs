@@ -31,8 +31,7 @@ defmodule Moat.MixProject do
     [
       licenses: ["Apache-2.0"],
       links: %{"MLX" => "https://github.com/ml-explore/mlx", "Nx" => "https://github.com/elixir-nx/nx"},
-      files:
-        ~w(mix.exs mix/build.exs .formatter.exs Cargo.toml Cargo.lock port/Cargo.toml port/build.rs
+      files: ~w(mix.exs mix/build.exs .formatter.exs Cargo.toml Cargo.lock port/Cargo.toml port/build.rs
         port/mlx.pins port/src port/shim port/tests nif/moat_finalizer.c elixir package protocol.md README.md
         ARCHITECTURE.md LICENSE docs notebooks)
     ]

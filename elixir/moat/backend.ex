@@ -106,7 +106,8 @@ defmodule Moat.Backend do
       for base 1, ±1 for base -1, else 0); BinaryBackend raises.
     * Shifts by a negative amount or by the bit width or more shift
       everything out: 0, or the sign for signed `right_shift`; BinaryBackend
-      raises on negative amounts.
+      raises on negative amounts, and so does Moat where the amounts are on
+      the BEAM (see "Failures of asynchronous ops" below).
     * Operands of mixed types are converted to the output type before the
       op, as compilers do: an s64 beyond f16's range is infinite in an f16
       `divide`, where BinaryBackend divides the exact integer.
@@ -122,16 +123,18 @@ defmodule Moat.Backend do
       and cumulative ops on them, accumulate in f32 and round once.
     * A descending `sort` may order -0.0 and 0.0 differently (they compare
       equal); `argsort` is stable in both directions, as in Nx.
-    * Complex functions follow C99 on signed zeros (`sqrt(-4 - 0i)` is
-      `-2i`); BinaryBackend ignores the sign of a zero imaginary part. At
-      infinities they follow C99 too where Nx's textbook formulas give NaN
-      or another limit: `tanh(inf + 3i)` is `1 - 0i`, `atan` is `pi/2`,
-      `asinh(inf + 3i)` is `inf + 0i` (Nx: `inf + pi/4 i`), and a complex
-      `product` of `[inf + 3i, -2 + 4i]` is `-inf + inf i` (Nx: NaN). c64
-      `expm1`, `sigmoid` and `atan2` (no MLX kernel) are composed from MLX
-      ops; `cbrt` takes Nx's root (the cube root of the modulus at a third
-      of the phase). A complex `atan2` with a non-zero imaginary part fails
-      the op (Nx raises `ArithmeticError` at the call).
+    * c64 `exp`, `log`, `sqrt`, `rsqrt`, `sigmoid`, trigonometric and
+      hyperbolic functions and their inverses, `pow` and `product` are
+      Nx.BinaryBackend's: the `Complex` library's formulas evaluated in f64
+      with its clauses for infinite and NaN parts, rounded once (so
+      `tanh(inf + 3i)` is NaN and `asinh(inf + 3i)` is `inf + pi/4 i`, as in
+      Nx, not C99's limits; a complex `product` folds from `1 + 0i` with the
+      textbook multiplication, pairwise). c64 `expm1` and `atan2` (no MLX
+      kernel) are composed from MLX ops; `cbrt` takes Nx's root (the cube
+      root of the modulus at a third of the phase; Nx.BinaryBackend raises).
+      A complex `atan2` with a non-zero imaginary part raises
+      `ArithmeticError` at the call where its values are on the BEAM (see
+      below), else fails the op.
     * `to_pointer/2` and `from_pointer/5` raise `ArgumentError`: tensor data
       lives in the worker process, whose addresses mean nothing to the BEAM
       or to other processes, and a shared-memory IPC segment would outlive
@@ -144,6 +147,12 @@ defmodule Moat.Backend do
       zero, singular matrices in `triangular_solve` and `solve`) raise a
       `Moat.Error` naming the op when the result is read, where
       Nx.BinaryBackend raises `ArgumentError` or `ArithmeticError` at the call.
+      Values that are on the BEAM are checked at the call, with Nx's
+      message and no round trip: a small tensor (up to 256 bytes) made by
+      `Nx.tensor/2`, `Nx.from_binary/3` or from a number keeps its bytes in
+      its handle, and Nx.BinaryBackend tensors are read, for the indices of
+      `gather`, `indexed_add` and `indexed_put`, shift amounts (negative:
+      `ArgumentError`) and complex `atan2` arguments.
     * `quotient` and `remainder` follow Nx (truncation; the remainder has the
       dividend's sign; `MIN / -1` wraps to `MIN`). A float `remainder` by zero
       is NaN (Nx.BinaryBackend raises).
@@ -262,15 +271,23 @@ defmodule Moat.Backend do
   @emulated Moat.Types.emulated()
 
   @enforce_keys [:ref]
-  defstruct [:ref, device: :cpu, quant: nil]
+  defstruct [:ref, device: :cpu, quant: nil, host: nil]
 
   # `quant`: a quantized weight's parameters (Moat.Quantized); `ref` is
   # then its packed bytes, never read as the tensor's values.
+  # `host`: the tensor's bytes in Nx's layout when it was made from BEAM data
+  # (`from_binary`, `constant`) and is small. The value checks Nx.BinaryBackend
+  # makes at the call (indices in range, shift amounts, real atan2
+  # arguments) read it, so they raise at the call with no round trip.
   @type t :: %__MODULE__{
           ref: Moat.Ref.t() | Moat.Compiler.Recorder.slot(),
           device: :cpu | :gpu,
-          quant: Moat.Quantized.t() | nil
+          quant: Moat.Quantized.t() | nil,
+          host: bitstring() | nil
         }
+
+  # The largest tensor (in bits) whose bytes a handle keeps.
+  @host_bits 256 * 8
 
   alias Moat.{Client, Ref, Types}
   alias Moat.Compiler.Recorder
@@ -293,10 +310,14 @@ defmodule Moat.Backend do
   def from_binary(%T{shape: shape, type: type} = out, binary, opts) do
     device = device!(worker(opts), opts)
     gpu_type!(type, device, :from_binary)
-    {binary, dims, stored} = Types.to_storage(binary, Tuple.to_list(shape), type)
-    ref = Moat.from_binary(binary, dims, stored, worker: worker(opts))
-    wrap(out, ref, device)
+    {stored_binary, dims, stored} = Types.to_storage(binary, Tuple.to_list(shape), type)
+    ref = Moat.from_binary(stored_binary, dims, stored, worker: worker(opts))
+    %{wrap(out, ref, device) | data: %__MODULE__{ref: ref, device: device, host: host_copy(binary)}}
   end
+
+  defp host_copy(binary) when bit_size(binary) > @host_bits, do: nil
+  defp host_copy(binary) when is_binary(binary), do: :binary.copy(binary)
+  defp host_copy(bits), do: bits
 
   # Types MLX does not have (Moat.Types) are made in a type MLX has and
   # converted, or (constants) uploaded once and broadcast.
@@ -309,7 +330,11 @@ defmodule Moat.Backend do
 
   def constant(%T{shape: shape, type: type} = out, number, opts) do
     value = Nx.BinaryBackend.constant(%{out | shape: {}}, number, []) |> Nx.to_binary()
-    create(out, :constant, %{value: value, shape: Tuple.to_list(shape), type: Moat.check_type!(type)}, opts)
+    t = create(out, :constant, %{value: value, shape: Tuple.to_list(shape), type: Moat.check_type!(type)}, opts)
+
+    size = Nx.size(out)
+    host = if size * bit_size(value) <= @host_bits, do: :binary.copy(value, size)
+    put_in(t.data.host, host)
   end
 
   @impl true
@@ -534,14 +559,65 @@ defmodule Moat.Backend do
     def unquote(name)(out, tensor), do: op(out, unquote(name), [tensor], %{type: out.type})
   end
 
-  @binary_ops [:add, :subtract, :multiply, :pow, :divide, :atan2, :min, :max] ++
-                [:bitwise_and, :bitwise_or, :bitwise_xor, :left_shift, :right_shift] ++
+  @binary_ops [:add, :subtract, :multiply, :pow, :divide, :min, :max] ++
+                [:bitwise_and, :bitwise_or, :bitwise_xor] ++
                 [:logical_and, :logical_or, :logical_xor]
 
   for name <- @binary_ops do
     @impl true
     def unquote(name)(out, a, b), do: op(out, unquote(name), [a, b], %{type: out.type})
   end
+
+  # Nx.BinaryBackend raises at the call on a negative shift amount and on a
+  # complex atan2 argument with an imaginary part; where the values are
+  # here (see `host`), so does Moat. Otherwise the worker shifts everything
+  # out, or fails the op (`Moat.Error` when read).
+  for {name, word} <- [left_shift: "left", right_shift: "right"] do
+    @impl true
+    def unquote(name)(out, a, b) do
+      with bits when is_bitstring(bits) <- local(b),
+           negative when negative != nil <- Enum.find(numbers(bits, b.type), &(&1 < 0)) do
+        raise ArgumentError, "cannot #{unquote(word)} shift by #{negative}"
+      end
+
+      op(out, unquote(name), [a, b], %{type: out.type})
+    end
+  end
+
+  @impl true
+  def atan2(%T{type: {:c, _}} = out, a, b) do
+    if Enum.any?([a, b], &imaginary_part?/1) do
+      raise ArithmeticError, "Complex.atan2 only accepts real numbers as arguments"
+    end
+
+    op(out, :atan2, [a, b], %{type: out.type})
+  end
+
+  def atan2(out, a, b), do: op(out, :atan2, [a, b], %{type: out.type})
+
+  # Whether a complex tensor's values are here and one has an imaginary
+  # part other than ±0.
+  defp imaginary_part?(%T{type: {:c, bits}} = t) do
+    half = div(bits, 2)
+    negative_zero = Bitwise.bsl(1, half - 1)
+
+    case local(t) do
+      nil -> false
+      data -> Enum.any?(for <<_::size(half), im::native-size(half) <- data>>, do: im not in [0, negative_zero])
+    end
+  end
+
+  defp imaginary_part?(_real), do: false
+
+  # The bytes of a tensor whose values are here: a small one made from BEAM
+  # data, or a small Nx.BinaryBackend one.
+  defp local(%T{data: %__MODULE__{host: host}}), do: host
+  defp local(%T{data: %Nx.BinaryBackend{state: state}}) when bit_size(state) <= @host_bits, do: state
+  defp local(_tensor), do: nil
+
+  defp numbers(bits, {:s, size}), do: for(<<x::signed-native-size(size) <- bits>>, do: x)
+  defp numbers(bits, {:u, size}), do: for(<<x::unsigned-native-size(size) <- bits>>, do: x)
+  defp numbers(_bits, _float), do: []
 
   # Both sides are compared in their merged type; the result is u8.
   @comparison_ops [:equal, :not_equal, :greater, :less, :greater_equal, :less_equal]
@@ -591,13 +667,39 @@ defmodule Moat.Backend do
   # in Nx.BinaryBackend.
 
   @impl true
-  def gather(out, tensor, indices, opts), do: op(out, :gather, [tensor, indices], %{axes: opts[:axes]})
+  def gather(out, tensor, indices, opts) do
+    check_indices!(tensor, indices, opts[:axes])
+    op(out, :gather, [tensor, indices], %{axes: opts[:axes]})
+  end
 
   for name <- [:indexed_add, :indexed_put] do
     @impl true
     def unquote(name)(out, target, indices, updates, opts) do
+      check_indices!(target, indices, opts[:axes])
       op(out, unquote(name), [target, indices, updates], %{axes: opts[:axes], type: out.type})
     end
+  end
+
+  # Indices whose values are here (see `host`) are checked at the call, with
+  # Nx.BinaryBackend's message (axes counted in the index, the shape with
+  # the indexed axes first); the others in the worker.
+  defp check_indices!(tensor, %T{shape: index_shape} = indices, axes) do
+    with bits when is_bitstring(bits) <- local(indices) do
+      all = Nx.axes(tensor)
+      axes = axes || all
+      order = if List.starts_with?(all, axes), do: all, else: axes ++ (all -- axes)
+      shape = List.to_tuple(for a <- order, do: elem(tensor.shape, a))
+      dims = Tuple.to_list(shape)
+      depth = elem(index_shape, tuple_size(index_shape) - 1)
+
+      for index <- Enum.chunk_every(numbers(bits, indices.type), max(depth, 1)),
+          {i, {dim, axis}} <- Enum.zip(index, Enum.with_index(dims)),
+          i < 0 or i >= dim do
+        raise ArgumentError, "index #{i} is out of bounds for axis #{axis} in shape #{inspect(shape)}"
+      end
+    end
+
+    :ok
   end
 
   # Start indices may be scalar tensors (Nx's dynamic slices); the worker

@@ -22,6 +22,10 @@ defmodule Moat.CrashGuardTest do
     assert Nx.to_flat_list(survivor) == [1.0, 2.0, 3.0]
   end
 
+  # Made in the worker: Moat.Backend keeps no BEAM copy of the values (it
+  # checks small Nx.tensor/2 indices at the call), so the worker's guard answers.
+  defp computed(t), do: Nx.add(moat(t), 0)
+
   defp assert_op_fails(op, message, fun) do
     error = assert_raise Error, fn -> fun.() |> Nx.to_binary() end
     assert error.reason == :op_failed
@@ -53,7 +57,7 @@ defmodule Moat.CrashGuardTest do
       t = moat(Nx.iota({3, 4}))
 
       assert_op_fails(:gather, "index 4 is out of bounds for axis 1", fn ->
-        Nx.gather(t, moat(Nx.tensor([[2, 4]])))
+        Nx.gather(t, computed(Nx.tensor([[2, 4]])))
       end)
 
       assert_op_fails(:take_along_axis, "index 9 is out of bounds for axis 1", fn ->
@@ -65,7 +69,7 @@ defmodule Moat.CrashGuardTest do
 
     test "indexed_add and indexed_put (scatter)", ctx do
       t = moat(Nx.iota({3, 4}))
-      indices = moat(Nx.tensor([[0, 0], [2, 100_000_000]]))
+      indices = computed(Nx.tensor([[0, 0], [2, 100_000_000]]))
       updates = moat(Nx.tensor([1, 1]))
 
       assert_op_fails(:indexed_add, "index 100000000 is out of bounds", fn ->
@@ -77,7 +81,7 @@ defmodule Moat.CrashGuardTest do
       end)
 
       assert_op_fails(:indexed_put, "index -3 is out of bounds", fn ->
-        Nx.indexed_put(t, moat(Nx.tensor([[-3, 0]])), moat(Nx.tensor([1])))
+        Nx.indexed_put(t, computed(Nx.tensor([[-3, 0]])), moat(Nx.tensor([1])))
       end)
 
       assert_survived(ctx)

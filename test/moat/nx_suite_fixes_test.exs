@@ -35,9 +35,44 @@ defmodule Moat.NxSuiteFixesTest do
     b = Nx.tensor([Complex.new(2, 0), Complex.new(0, 0)])
     assert host(Nx.atan2(moat(a), moat(b))) == Nx.atan2(a, b)
 
-    # Nx raises for a non-zero imaginary part; the op fails, naming it.
-    bad = Nx.atan2(moat(Nx.tensor([Complex.new(1, 1)])), moat(b))
+    # Nx raises for a non-zero imaginary part: at the call where the values
+    # are on the BEAM (a small tensor made from BEAM data), else the op
+    # fails, naming it.
+    assert_raise ArithmeticError, "Complex.atan2 only accepts real numbers as arguments", fn ->
+      Nx.atan2(moat(Nx.tensor([Complex.new(1, 1)])), moat(b))
+    end
+
+    computed = Nx.add(moat(Nx.tensor([Complex.new(1, 1)])), moat(b))
+    bad = Nx.atan2(computed, moat(b))
     assert_raise Moat.Error, ~r/atan2.*zero imaginary part/, fn -> host(bad) end
+  end
+
+  test "indices and shift amounts made on the BEAM are checked at the call, as Nx does" do
+    t = moat(Nx.tensor([[1, 2], [3, 4]]))
+
+    for {fun, expected} <- [
+          {&Nx.gather(t, moat(&1)), "index 3 is out of bounds for axis 0 in shape {2, 2}"},
+          {&Nx.indexed_add(t, moat(&1), moat(Nx.tensor([1]))), "index 3 is out of bounds for axis 0 in shape {2, 2}"},
+          {&Nx.indexed_put(t, moat(&1), moat(Nx.tensor([1]))), "index 3 is out of bounds for axis 0 in shape {2, 2}"}
+        ] do
+      assert_raise ArgumentError, expected, fn -> fun.(Nx.tensor([[3, -10]])) end
+      assert_raise ArgumentError, fn -> Nx.gather(Nx.tensor([[1, 2], [3, 4]]), Nx.tensor([[3, -10]])) end
+    end
+
+    assert_raise ArgumentError, "index -1 is out of bounds for axis 1 in shape {2, 2}", fn ->
+      Nx.gather(t, moat(Nx.tensor([[0, -1]])))
+    end
+
+    assert host(Nx.gather(t, moat(Nx.tensor([[1, 0]])))) == Nx.tensor([3])
+
+    # Computed indices are checked in the worker: the error comes at readback.
+    computed = Nx.add(moat(Nx.tensor([[3, 0]])), 0)
+    assert_raise Moat.Error, fn -> host(Nx.gather(t, computed)) end
+
+    one = moat(Nx.tensor(1))
+    assert_raise ArgumentError, "cannot right shift by -1", fn -> Nx.right_shift(one, moat(Nx.tensor(-1))) end
+    assert_raise ArgumentError, "cannot left shift by -1", fn -> Nx.left_shift(one, moat(Nx.tensor(-1))) end
+    assert host(Nx.left_shift(one, moat(Nx.tensor(3)))) == Nx.tensor(8)
   end
 
   test "cholesky of a matrix with a zero pivot is Nx's, not NaN" do
@@ -96,5 +131,54 @@ defmodule Moat.NxSuiteFixesTest do
     # Taking one batch makes one: a single slice frame, nothing for the rest.
     assert [first] = Nx.to_batched(moat(t), 1) |> Enum.take(1) |> Enum.map(&host/1)
     assert first == Nx.tensor([[0, 1]])
+  end
+
+  # c64 functions are Nx's formulas in f64 (Moat's nx_complex), so they give
+  # Nx.BinaryBackend's values bit for bit, at infinities and NaN too.
+  @specials [:infinity, :neg_infinity, :nan, 0.0, 3.0, -2.0, 1.0, 0.5]
+
+  defp c64_grid do
+    Nx.tensor(for(re <- @specials, im <- @specials, do: Complex.new(re, im)), type: :c64)
+  end
+
+  test "complex functions follow Nx.BinaryBackend at infinities, NaN and finite values" do
+    z = c64_grid()
+
+    for f <-
+          [:exp, :log, :sqrt, :rsqrt, :sigmoid, :sin, :cos, :tan, :sinh, :cosh, :tanh] ++
+            [:asin, :acos, :atan, :asinh, :acosh, :atanh] do
+      expected = apply(Nx, f, [z])
+      assert host(apply(Nx, f, [moat(z)])) == expected, "#{f}"
+    end
+
+    # The cases Nx's suite checks (Nx.NonFiniteTest), where C99 differs.
+    arg = Nx.tensor(Complex.new(:infinity, 3))
+    assert host(Nx.tanh(moat(arg))) == Nx.tensor(Complex.new(:nan, :nan))
+    assert host(Nx.asinh(moat(arg))) == Nx.tensor(Complex.new(:infinity, :math.pi() / 4))
+  end
+
+  test "complex pow and product follow Nx.BinaryBackend" do
+    z = c64_grid()
+    n = Nx.size(z)
+    a = Nx.tile(z, [n])
+    b = z |> Nx.new_axis(1) |> Nx.tile([1, n]) |> Nx.reshape({n * n})
+    assert host(Nx.pow(moat(a), moat(b))) == Nx.pow(a, b)
+
+    # Nx folds from 1 + 0i with the textbook product: an infinite first
+    # factor makes NaN (C99 recovers -inf + inf i).
+    pairs = Nx.stack([a, b], axis: 1)
+    assert host(Nx.product(moat(pairs), axes: [1])) == Nx.product(pairs, axes: [1])
+
+    assert host(Nx.product(moat(Nx.tensor([Complex.new(:infinity, 3), Complex.new(-2, 4)])))) ==
+             Nx.tensor(Complex.new(:nan, :nan))
+
+    r = Nx.iota({2, 3, 5}, type: :c64) |> Nx.divide(7) |> Nx.add(Complex.new(0.5, 0.3))
+
+    for axes <- [[0], [1, 2], [0, 2], [2]], keep <- [true, false] do
+      expected = Nx.product(r, axes: axes, keep_axes: keep)
+      actual = host(Nx.product(moat(r), axes: axes, keep_axes: keep))
+      assert actual.shape == expected.shape
+      assert Nx.all_close(actual, expected, rtol: 1.0e-6) == Nx.tensor(1, type: :u8)
+    end
   end
 end

@@ -5,7 +5,7 @@
 
 use super::compose::complex;
 use super::convert::{bits, float_scalar, int_scalar, is_complex, is_integer, is_unsigned, nonzero, zero, zeros_like};
-use super::{attrs, finish, precise, to_out_type, Outputs};
+use super::{attrs, finish, nx_complex, precise, to_out_type, Outputs};
 use crate::mlx::kernels::{self, Op};
 use crate::mlx::{ops, Array, Dtype, Result};
 use crate::term::Term;
@@ -70,18 +70,35 @@ macro_rules! unary {
 }
 
 unary! {
+    bitwise_not => bitwise_invert,
+    conjugate => conjugate,
+}
+
+/// `fn name(inputs, attrs)`: like `unary!`, but c64 as Nx computes it
+/// (`nx_complex`), where MLX's complex kernels follow C99.
+macro_rules! unary_nx_complex {
+    ($($name:ident => $mlx:ident),* $(,)?) => {$(
+        pub fn $name(x: &[&Array], a: &Term) -> Outputs {
+            let t = to_out_type(x[0], a)?;
+            if is_complex(t.dtype()) {
+                return finish(nx_complex::unary(stringify!($name), &t), a);
+            }
+            finish(ops::$mlx(&t), a)
+        }
+    )*};
+}
+
+unary_nx_complex! {
     tan => tan,
     cosh => cosh,
     sinh => sinh,
+    sqrt => sqrt,
     acos => arccos,
     asin => arcsin,
     atan => arctan,
     acosh => arccosh,
     asinh => arcsinh,
     atanh => arctanh,
-    sqrt => sqrt,
-    bitwise_not => bitwise_invert,
-    conjugate => conjugate,
 }
 
 /// Whether the shim's CPU kernels compute this type.
@@ -107,17 +124,40 @@ macro_rules! kernel {
 }
 
 kernel! {
-    exp => Exp, f64: precise::exp, else: ops::exp;
+    exp => Exp, f64: precise::exp, else: exp_other;
     sigmoid => Sigmoid, f64: precise::sigmoid, else: sigmoid_other;
-    cos => Cos, f64: precise::cos, else: ops::cos;
-    sin => Sin, f64: precise::sin, else: ops::sin;
+    cos => Cos, f64: precise::cos, else: cos_other;
+    sin => Sin, f64: precise::sin, else: sin_other;
     erf => Erf, f64: precise::erf, else: ops::erf;
     erfc => Erfc, f64: precise::erfc, else: erfc_in_f64;
     expm1 => Expm1, f64: ops::expm1, else: expm1_other;
-    log => Log, f64: ops::log, else: ops::log;
+    log => Log, f64: ops::log, else: log_other;
     log1p => Log1p, f64: ops::log1p, else: ops::log1p;
-    tanh => Tanh, f64: ops::tanh, else: ops::tanh;
-    rsqrt => Rsqrt, f64: ops::rsqrt, else: ops::rsqrt;
+    tanh => Tanh, f64: ops::tanh, else: tanh_other;
+    rsqrt => Rsqrt, f64: ops::rsqrt, else: rsqrt_other;
+}
+
+/// `fn name(t)`: the kernel macro's fallback for the other types: complex
+/// as Nx computes it (`nx_complex`), the rest with MLX's op.
+macro_rules! complex_as_nx {
+    ($($name:ident => $nx:literal, $mlx:path);* $(;)?) => {$(
+        fn $name(t: &Array) -> Result<Array> {
+            if is_complex(t.dtype()) {
+                return nx_complex::unary($nx, t);
+            }
+            $mlx(t)
+        }
+    )*};
+}
+
+complex_as_nx! {
+    exp_other => "exp", ops::exp;
+    log_other => "log", ops::log;
+    tanh_other => "tanh", ops::tanh;
+    sigmoid_other => "sigmoid", ops::sigmoid;
+    sin_other => "sin", ops::sin;
+    cos_other => "cos", ops::cos;
+    rsqrt_other => "rsqrt", ops::rsqrt;
 }
 
 /// f64 has an exact erfc (`1 - erf` would lose the small values).
@@ -259,8 +299,8 @@ fn phase_of(z: &Array) -> Result<Array> {
     kernels::atan2(&ops::imag(z)?, &ops::real(z)?)
 }
 
-// MLX has no complex kernel for expm1, sigmoid or atan2: they are composed
-// from real ops (and complex exp/divide, which MLX has).
+// MLX has no complex kernel for expm1 or atan2: they are composed from real
+// ops.
 
 /// `e^z - 1`; for complex z = x + yi, `expm1(x) cos y - 2 sin^2(y/2)` +
 /// `e^x sin y` i, which keeps the digits of a result near 0.
@@ -273,15 +313,6 @@ fn expm1_other(t: &Array) -> Result<Array> {
     let versine = ops::multiply(&ops::multiply(&half_sin, &half_sin)?, &float_scalar(2.0, Dtype::F32)?)?;
     let real = ops::subtract(&scale(&ops::expm1(&re)?, &ops::cos(&im)?)?, &versine)?;
     complex(&real, &scale(&ops::exp(&re)?, &ops::sin(&im)?)?)
-}
-
-/// `1 / (1 + e^-z)` for complex z.
-fn sigmoid_other(t: &Array) -> Result<Array> {
-    if !is_complex(t.dtype()) {
-        return ops::sigmoid(t);
-    }
-    let one = || float_scalar(1.0, t.dtype());
-    ops::divide(&one()?, &ops::add(&one()?, &ops::exp(&ops::negative(t)?)?)?)
 }
 
 /// Complex atan2 takes real values only, as Nx's (Complex.atan2 raises on a
@@ -311,6 +342,9 @@ pub fn pow(x: &[&Array], a: &Term) -> Outputs {
     let t = base.dtype();
     if kernel_type(t) {
         return finish(kernels::power(&base, &exp), a);
+    }
+    if is_complex(t) {
+        return finish(nx_complex::pow(&base, &exp), a);
     }
     if !is_integer(t) || is_unsigned(t) {
         return finish(ops::power(&base, &exp), a);

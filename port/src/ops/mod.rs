@@ -20,6 +20,7 @@ mod fft;
 mod indexing;
 mod integer;
 mod linalg;
+mod nx_complex;
 mod precise;
 mod quant;
 mod reduction;

@@ -24,9 +24,19 @@ macro_rules! reduce {
 
 reduce! {
     sum => sum,
-    product => prod,
     reduce_max => max,
     reduce_min => min,
+}
+
+/// A complex product is Nx's fold (`nx_complex::product`), not MLX's C99
+/// multiplication.
+pub fn product(x: &[&Array], a: &Term) -> Outputs {
+    let (axes, keep) = axes_and_keep(a)?;
+    let t = to_out_type(x[0], a)?;
+    if is_complex(t.dtype()) {
+        return finish(super::nx_complex::product(&t, &axes, keep), a);
+    }
+    finish(ops::prod(&t, &axes, keep), a)
 }
 
 /// `fn name(inputs, attrs)`: the input tested for non-zero, reduced.

@@ -71,6 +71,6 @@ defmodule Moat.NotebooksTest do
       {"MOAT_WORKER", Path.join(:code.priv_dir(:moat), "moat_port")}
     ]
 
-    System.cmd("elixir", [@runner, notebook], cd: tmp, stderr_to_stdout: true, env: env)
+    System.cmd("elixir", [@runner, "--run", notebook], cd: tmp, stderr_to_stdout: true, env: env)
   end
 end

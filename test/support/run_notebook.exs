@@ -5,7 +5,10 @@ defmodule Moat.NotebookRunner do
   # with the binding and the environment (aliases, imports, requires) the
   # cells before it left; the first cell is the notebook's Mix.install.
   #
-  #   elixir test/support/run_notebook.exs NOTEBOOK
+  #   elixir test/support/run_notebook.exs --run NOTEBOOK
+  #
+  # (--run: the test that requires this file runs under `mix test ARGS`,
+  # whose arguments System.argv/0 returns too.)
 
   @doc "The notebook's elixir cells, in order."
   @spec cells(Path.t()) :: [String.t()]
@@ -50,6 +53,6 @@ defmodule Moat.NotebookRunner do
 end
 
 case System.argv() do
-  [notebook] -> Moat.NotebookRunner.run!(notebook)
+  ["--run", notebook] -> Moat.NotebookRunner.run!(notebook)
   _ -> :ok
 end

@@ -172,7 +172,9 @@ defmodule Moat.MemoryTest do
     end
 
     test "a process that exits releases what only it held", %{worker: w} do
-      {pid, made} = in_process(fn -> name(tensor(w, [1.0])) end)
+      # Held in its dictionary: a tensor the process merely dropped would be
+      # collected by the idle nudge (the last test) before it exits.
+      {pid, made} = in_process(fn -> name(tap(tensor(w, [1.0]), &Process.put(:held, &1))) end)
       assert alive?(made)
       send(pid, :exit)
       eventually(fn -> not alive?(made) end)

@@ -3,7 +3,6 @@
 // the cores for large inputs. The kernel set (AVX2 or scalar) is chosen once
 // at start from what cpuid reports.
 #include <algorithm>
-#include <atomic>
 #include <iterator>
 #include <limits>
 #include <stdexcept>
@@ -14,6 +13,7 @@
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/fast.h"
 #include "mlx/primitives.h"
+#include "parallel.hpp"
 #include "shim_core.hpp"
 
 using namespace moat;
@@ -40,29 +40,12 @@ size_t min_per_thread(k::Op op) {
   }
 }
 
-// The threads take blocks from a shared counter, so that one that starts
-// late (the machine is busy) takes fewer instead of holding the op up.
 void run_parallel(k::Kernel kernel, k::Op op, k::Storage st, const char* a, const char* b, char* out,
                   size_t n, size_t esize) {
-  size_t cores = std::max(1u, std::min(std::thread::hardware_concurrency(), 16u));
-  size_t threads = std::max<size_t>(1, std::min(cores, n / min_per_thread(op)));
-  const size_t block = 1 << 14;
-  std::atomic<size_t> next{0};
-  auto work = [&] {
-    for (size_t lo; (lo = next.fetch_add(block)) < n;) {
-      const char* b_part = op == k::POW_SCALAR || !b ? b : b + lo * esize;
-      kernel(op, st, a + lo * esize, b_part, out + lo * esize, std::min(block, n - lo));
-    }
-  };
-  std::vector<std::thread> helpers;
-  try {
-    helpers.reserve(threads - 1);
-    for (size_t t = 1; t < threads; ++t) helpers.emplace_back(work);
-  } catch (const std::exception&) {
-    // No thread (or memory) to be had: the threads there are take its blocks.
-  }
-  work();
-  for (auto& t : helpers) t.join();
+  moat::parallel_blocks(n, 1 << 14, moat::threads_for(n, min_per_thread(op)), [&](size_t lo, size_t hi) {
+    const char* b_part = op == k::POW_SCALAR || !b ? b : b + lo * esize;
+    kernel(op, st, a + lo * esize, b_part, out + lo * esize, hi - lo);
+  });
 }
 
 k::Storage storage(mx::Dtype t) {

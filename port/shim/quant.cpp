@@ -7,13 +7,13 @@
 // the packed words {..., out, in * bits / 32} (uint32), the scales
 // {..., out, in / group} (the weight's type for :affine, uint8 for the
 // microscaled modes) and, for :affine only, the biases (as the scales).
-#include <atomic>
 #include <stdexcept>
 #include <string>
 #include <thread>
 
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/primitives.h"
+#include "parallel.hpp"
 #include "qmm.h"
 #include "shim_core.hpp"
 
@@ -79,22 +79,8 @@ constexpr size_t kMinWeightsPerThread = size_t(1) << 20;
 
 void run_parallel(q::Kernel kernel, const q::Problem& p) {
   size_t weights = static_cast<size_t>(p.N) * p.K * p.M;
-  size_t cores = std::max(1u, std::min(std::thread::hardware_concurrency(), 16u));
-  size_t threads = std::max<size_t>(1, std::min(cores, weights / kMinWeightsPerThread));
-  const int block = 64;
-  std::atomic<int> next{0};
-  auto work = [&] {
-    for (int lo; (lo = next.fetch_add(block)) < p.N;) kernel(p, lo, std::min(p.N, lo + block));
-  };
-  std::vector<std::thread> helpers;
-  try {
-    helpers.reserve(threads - 1);
-    for (size_t t = 1; t < threads; ++t) helpers.emplace_back(work);
-  } catch (const std::exception&) {
-    // No thread to be had: the threads there are take its blocks.
-  }
-  work();
-  for (auto& t : helpers) t.join();
+  moat::parallel_blocks(p.N, 64, moat::threads_for(weights, kMinWeightsPerThread),
+                        [&](size_t lo, size_t hi) { kernel(p, static_cast<int>(lo), static_cast<int>(hi)); });
 }
 
 q::Scale scale_storage(mx::Dtype t) {

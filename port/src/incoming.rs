@@ -1,7 +1,8 @@
 //! Requests from frames: the reader thread's work, above any transport.
 //!
-//! It turns frames into `Incoming` messages for the session thread, and
-//! does two things there that must not wait for the session: it reassembles
+//! It turns frames into `Incoming` messages for the session thread, each
+//! request decoded once (`session::Command`), and serves the upload family
+//! itself, as those must not wait for the session: it reassembles
 //! piped uploads, reading their payloads straight into MLX-allocated
 //! buffers (so tensor bytes are copied once, from the transport into their
 //! final place), and it stages shared-memory uploads (see `shared`): it
@@ -12,46 +13,15 @@ use crate::budget::budget;
 use crate::connection::FrameSource;
 use crate::failure::Failure;
 use crate::frame::{Head, Limits};
-use crate::mlx::{Array, Buffer, Dtype};
+use crate::mlx::{Buffer, Dtype};
 use crate::protocol::{self, Id, Malformed, Request, FROM_BINARY};
 use crate::replies::{Outgoing, Replies};
-use crate::shared::{Mapped, Staged};
+use crate::session::{Incoming, Name, Upload};
+use crate::shared::Staged;
 use crate::term::Term;
 use crossbeam_channel::Sender;
 use std::collections::HashMap;
 use std::io;
-
-pub enum Incoming {
-    Request {
-        req: Request,
-        upload: Option<Upload>,
-    },
-    Malformed(Malformed),
-    /// A frame the reader consumed itself (a middle chunk of an upload, or
-    /// a shared file it made and answered).
-    Consumed,
-}
-
-/// The complete bytes of an uploaded tensor.
-pub enum Upload {
-    /// Read from the pipe into MLX's memory.
-    Piped {
-        buffer: Buffer,
-        shape: Vec<i32>,
-        dtype: Dtype,
-    },
-    /// Written by the client into a shared file, mapped.
-    Shared(Mapped),
-}
-
-impl Upload {
-    pub fn into_array(self) -> crate::mlx::Result<Array> {
-        match self {
-            Upload::Piped { buffer, shape, dtype } => buffer.into_array(&shape, dtype),
-            Upload::Shared(mapped) => mapped.into_array(),
-        }
-    }
-}
 
 /// What the reader needs besides its input.
 #[derive(Clone)]
@@ -90,8 +60,8 @@ pub fn read_loop(frames: impl FrameSource, config: ReaderConfig, tx: Sender<Inco
     };
     while let Some(head) = reader.frames.next_head()? {
         let msg = reader.incoming(head)?;
-        if let Incoming::Request { req, .. } = &msg {
-            crate::trace::stamp("R", req.seq);
+        if let Incoming::Call { call, .. } = &msg {
+            crate::trace::stamp("R", call.seq);
         }
         if tx.send(msg).is_err() {
             break;
@@ -129,31 +99,32 @@ impl<S: FrameSource> Reader<S> {
             );
             return self.refuse(req, Failure::protocol("protocol", message));
         }
-        match req.op.as_str() {
-            "from_binary" | "upload" if req.seq != 0 => {
+        let name = Name::parse(&req.op);
+        match name {
+            Some(Name::FromBinary | Name::Upload) if req.seq != 0 => {
                 let message = format!("{} is fire-and-forget: send it with seq 0", req.op);
                 let failure = Failure::protocol(&req.op, message);
                 self.refuse(req, failure)
             }
-            "from_binary" => self.start_upload(req, payload_len),
-            "upload" => self.continue_upload(req, payload_len),
+            Some(Name::FromBinary) => self.start_upload(req, payload_len),
+            Some(Name::Upload) => self.continue_upload(req, payload_len),
             _ if payload_len > 0 => {
                 let message = format!("{} takes no payload, got {payload_len} bytes", req.op);
                 let failure = Failure::protocol(&req.op, message);
                 self.refuse(req, failure)
             }
-            "upload_file" => self.stage(req),
-            "from_file" => self.map_file(req),
-            "release" => {
+            Some(Name::UploadFile) => self.stage(req),
+            Some(Name::FromFile) => self.map_file(req),
+            Some(Name::Release) => {
                 // Uploads that never completed go with their ids: their
                 // sender died between chunks, or before filling its file.
                 for id in &req.ins {
                     self.uploads.remove(id);
                     self.staged.remove(id);
                 }
-                Ok(Incoming::Request { req, upload: None })
+                Ok(Incoming::decode(req, name))
             }
-            _ => Ok(Incoming::Request { req, upload: None }),
+            _ => Ok(Incoming::decode(req, name)),
         }
     }
 
@@ -235,10 +206,7 @@ impl<S: FrameSource> Reader<S> {
                 dtype,
                 ..
             } = pending;
-            return Incoming::Request {
-                req,
-                upload: Some(Upload::Piped { buffer, shape, dtype }),
-            };
+            return Incoming::upload(req, Upload::Piped { buffer, shape, dtype });
         }
         let id = pending.req.outs.first().copied().unwrap_or(0);
         self.uploads.insert(id, pending);
@@ -300,10 +268,7 @@ impl<S: FrameSource> Reader<S> {
             return self.refuse(req, failure);
         };
         match staged.map() {
-            Ok(mapped) => Ok(Incoming::Request {
-                req,
-                upload: Some(Upload::Shared(mapped)),
-            }),
+            Ok(mapped) => Ok(Incoming::upload(req, Upload::Shared(mapped))),
             Err(failure) => self.refuse(req, failure),
         }
     }

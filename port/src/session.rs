@@ -3,11 +3,10 @@
 
 use crate::budget::{self, budget, EvalError, Pressure};
 use crate::checks::Checks;
-use crate::incoming::{Incoming, Upload};
 use crate::mlx::{Array, Evaluated};
 use crate::ops;
 use crate::program::Programs;
-use crate::protocol::{self, Id, Malformed, Request};
+use crate::protocol::{self, Id, Malformed};
 use crate::registry::{Failure, Registry};
 use crate::replies::{Outgoing, Replies};
 use crate::shared::{Sealed, SealedCopy};
@@ -17,35 +16,11 @@ use std::collections::{HashMap, HashSet};
 use std::rc::Rc;
 use std::sync::Arc;
 
+mod command;
 mod memory_calls;
 mod program_calls;
 
-/// The requests served outside the op table (`ops`), by the reader thread
-/// (`connection`) or by the `match` in `Session::request`. With the table's
-/// ops they are every op the worker knows (`moat_port --list-ops`), which
-/// tests check against protocol.md §6 and against what the client sends.
-pub const REQUESTS: &[&str] = &[
-    "from_binary",
-    "upload",
-    "upload_file",
-    "from_file",
-    "to_binary",
-    "eval",
-    "async_eval",
-    "metadata",
-    "sync",
-    "release",
-    "memory_info",
-    "reset_peak_memory",
-    "clear_cache",
-    "set_memory_limit",
-    "set_cache_limit",
-    "define_program",
-    "run_program",
-    "release_program",
-    #[cfg(feature = "fault-injection")]
-    "fault",
-];
+pub use command::{Call, Command, Incoming, Name, Pin, Refusal, Upload, REQUESTS};
 
 /// Every op this worker knows: the requests, then the op table.
 pub fn op_names() -> Vec<&'static str> {
@@ -62,13 +37,6 @@ enum Pinned {
 
 /// A reply map's entries, in the order they are written.
 type Pairs = Vec<(&'static str, Term)>;
-
-/// A readback's `pin` request (see `Session::pin_request`).
-struct Pin {
-    id: Id,
-    min: usize,
-    sealed: bool,
-}
 
 /// Requests between two unprompted acknowledgements.
 const ACK_EVERY: u64 = 64;
@@ -159,7 +127,7 @@ impl Session {
 
     pub fn handle(&mut self, msg: Incoming) {
         match msg {
-            Incoming::Request { req, upload } => self.request(req, upload),
+            Incoming::Call { call, command } => self.call(call, command),
             Incoming::Malformed(Malformed { seq, outs, failure }) => {
                 log::warn!("refused frame (seq {seq}, op {}): {}", failure.op, failure.message);
                 if seq == 0 && !outs.is_empty() {
@@ -173,7 +141,8 @@ impl Session {
         }
     }
 
-    fn request(&mut self, req: Request, upload: Option<Upload>) {
+    /// The one dispatch: a request, checked, then served by its command.
+    fn call(&mut self, req: Call, command: Result<Command, Refusal>) {
         crate::trace::stamp("S", req.seq);
         if req.generation != self.generation {
             let failure = Failure::stale_generation(req.generation, self.generation, &req.op);
@@ -191,19 +160,23 @@ impl Session {
             }
             return self.fail(req.seq, &fresh, failure);
         }
-        match req.op.as_str() {
+        match command {
+            Err(Refusal { failure, poisons_outs }) => {
+                let outs = if poisons_outs { &req.outs[..] } else { &[] };
+                self.fail(req.seq, outs, Rc::new(failure))
+            }
             #[cfg(feature = "fault-injection")]
-            "fault" => match crate::fault::inject(&req.attrs) {
+            Ok(Command::Fault(attrs)) => match crate::fault::inject(&attrs) {
                 Ok(()) => self.reply(req.seq, Term::atom("nil")),
                 Err(message) => self.fail(req.seq, &req.outs, Failure::new("fault", message)),
             },
-            "from_binary" | "from_file" => self.define_upload(&req, upload),
-            "to_binary" => self.to_binary(&req),
-            "eval" => self.eval(&req),
-            "async_eval" => self.async_eval(&req),
-            "metadata" => self.metadata(&req),
-            "sync" => self.reply(req.seq, Term::atom("nil")),
-            "release" => {
+            Ok(Command::FromBinary(upload)) => self.define_upload(&req, upload),
+            Ok(Command::ToBinary(pin)) => self.to_binary(&req, pin),
+            Ok(Command::Eval) => self.eval(&req),
+            Ok(Command::AsyncEval) => self.async_eval(&req),
+            Ok(Command::Metadata) => self.metadata(&req),
+            Ok(Command::Sync) => self.reply(req.seq, Term::atom("nil")),
+            Ok(Command::Release) => {
                 for id in &req.ins {
                     self.registry.release(*id);
                     self.pins.remove(id);
@@ -213,11 +186,9 @@ impl Session {
                 }
                 self.reply(req.seq, Term::atom("nil"));
             }
-            "memory_info" | "reset_peak_memory" | "clear_cache" | "set_memory_limit" | "set_cache_limit" => {
-                self.memory_call(&req)
-            }
-            "define_program" | "run_program" | "release_program" => self.program_call(&req),
-            _ => self.build(&req),
+            Ok(Command::Memory(call)) => self.memory_call(req.seq, &req.op, call),
+            Ok(Command::Program(call)) => self.program_call(&req, call),
+            Ok(Command::Op(entry, attrs)) => self.build(&req, entry, &attrs),
         }
     }
 
@@ -240,18 +211,11 @@ impl Session {
         }
     }
 
-    fn build(&mut self, req: &Request) {
-        let Some((arity, builder)) = ops::builder(&req.op) else {
-            let failure = Failure::new(&req.op, format!("unknown op {}", req.op));
-            return self.fail(req.seq, &req.outs, failure);
-        };
-        if !arity.accepts(req.ins.len()) {
-            let message = format!("{} takes {arity} inputs, got {}", req.op, req.ins.len());
-            return self.fail(req.seq, &req.outs, Failure::new(&req.op, message));
-        }
-        let outputs = match self.registry.inputs(&req.ins, &req.op) {
+    /// A graph op (its arity checked as it was decoded).
+    fn build(&mut self, req: &Call, &(name, _, builder): &ops::Entry, attrs: &Term) {
+        let outputs = match self.registry.inputs(&req.ins, name) {
             Err(failure) => Err(failure),
-            Ok(inputs) => ops::build(builder, &inputs, &req.attrs)
+            Ok(inputs) => ops::build(builder, &inputs, attrs)
                 .and_then(|arrays| self.checks.outputs(&arrays).map(|()| arrays))
                 .map_err(|m| Failure::new(&req.op, m)),
         };
@@ -263,7 +227,7 @@ impl Session {
                 for (id, array) in req.outs.iter().zip(arrays) {
                     self.registry.insert(*id, array);
                 }
-                if ops::MOVES_FIRST_INPUT.contains(&req.op.as_str()) {
+                if ops::MOVES_FIRST_INPUT.contains(&name) {
                     self.move_out(req);
                 }
                 self.reply(req.seq, Term::atom("nil"));
@@ -283,7 +247,7 @@ impl Session {
 
     /// Lets go of the first input's handle, so that the op's node holds the
     /// only one (see `ops::cache`); the id now reads as this failure.
-    fn move_out(&mut self, req: &Request) {
+    fn move_out(&mut self, req: &Call) {
         let (id, out) = (req.ins[0], req.outs[0]);
         let message = format!(
             "tensor id {id} was written in place into tensor {out} by {} (Moat.KVCache.update/3 spends the cache it is given: use the one it returns)",
@@ -292,14 +256,7 @@ impl Session {
         self.registry.poison(id, Failure::new(&req.op, message));
     }
 
-    fn define_upload(&mut self, req: &Request, upload: Option<Upload>) {
-        let Some(upload) = upload else {
-            return self.fail(
-                req.seq,
-                &req.outs,
-                Failure::new("from_binary", "no tensor bytes arrived"),
-            );
-        };
+    fn define_upload(&mut self, req: &Call, upload: Upload) {
         match upload.into_array() {
             Ok(array) => {
                 self.registry.insert(req.outs[0], array);
@@ -310,7 +267,7 @@ impl Session {
     }
 
     /// The one input of a single-tensor call, or the failure to report.
-    fn single(&self, req: &Request) -> Result<&Array, Rc<Failure>> {
+    fn single(&self, req: &Call) -> Result<&Array, Rc<Failure>> {
         match req.ins.as_slice() {
             [id] => self.registry.get(*id, &req.op),
             ids => Err(Failure::new(
@@ -320,11 +277,9 @@ impl Session {
         }
     }
 
-    fn to_binary(&mut self, req: &Request) {
-        let pin = match self.pin_request(req) {
-            Ok(pin) => pin,
-            Err(failure) => return self.fail(req.seq, &[], failure),
-        };
+    /// A readback; a pin is honoured where shared memory is on.
+    fn to_binary(&mut self, req: &Call, pin: Option<Pin>) {
+        let pin = pin.filter(|_| self.shared_memory);
         let result = self.single(req).and_then(|array| {
             eval_within_budget(&[array], &req.op)?;
             if !array.row_contiguous() {
@@ -400,39 +355,7 @@ impl Session {
         Some((file, location))
     }
 
-    /// `to_binary`'s `%{pin: min_bytes}` with `outs: [id]`: a readback of at
-    /// least `min_bytes` is pinned as `id` and answered with its address
-    /// instead of a payload; with `sealed: true` too, with a sealed file's
-    /// `path` and `inode` where one can be made. `None` when not asked, or
-    /// not offered.
-    fn pin_request(&self, req: &Request) -> Result<Option<Pin>, Rc<Failure>> {
-        let min = match &req.attrs {
-            Term::Map(_) => req
-                .attrs
-                .get("pin")
-                .and_then(Term::as_int)
-                .and_then(|n| usize::try_from(n).ok()),
-            attrs if attrs.is_atom("nil") && req.outs.is_empty() => return Ok(None),
-            _ => None,
-        };
-        match (req.outs.as_slice(), min) {
-            ([id], Some(min)) => Ok(self.shared_memory.then_some(Pin {
-                id: *id,
-                min,
-                sealed: req.attrs.get("sealed").is_some_and(|t| t.is_atom("true")),
-            })),
-            _ => Err(Failure::new(
-                &req.op,
-                format!(
-                    "to_binary takes attrs nil, or %{{pin: min_bytes}} with one out id; got {} with {} outs",
-                    req.attrs,
-                    req.outs.len()
-                ),
-            )),
-        }
-    }
-
-    fn eval(&mut self, req: &Request) {
+    fn eval(&mut self, req: &Call) {
         let result = self
             .registry
             .inputs(&req.ins, &req.op)
@@ -446,7 +369,7 @@ impl Session {
     /// Starts evaluating in the background (see `budget::evaluate_async`).
     /// Errors resurface at the next blocking call on these ids, so a call
     /// (seq > 0) is answered `nil` regardless.
-    fn async_eval(&mut self, req: &Request) {
+    fn async_eval(&mut self, req: &Call) {
         if let Ok(arrays) = self.registry.inputs(&req.ins, &req.op) {
             if let Err(e) = budget::evaluate_async(&arrays) {
                 log::debug!("async_eval skipped: {e}");
@@ -455,7 +378,7 @@ impl Session {
         self.reply(req.seq, Term::atom("nil"));
     }
 
-    fn metadata(&mut self, req: &Request) {
+    fn metadata(&mut self, req: &Call) {
         match self.single(req) {
             Ok(array) => {
                 let info = metadata(array, None);

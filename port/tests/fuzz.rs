@@ -27,9 +27,10 @@ use crossbeam_channel::unbounded;
 use moat_port::cnode::{envelope, Envelope, MessageSource};
 use moat_port::connection::{pipe_source, PipeSink};
 use moat_port::frame::{split_body, write_frame, FrameReader, Limits};
-use moat_port::incoming::{read_loop, Incoming, ReaderConfig};
+use moat_port::incoming::{read_loop, ReaderConfig};
 use moat_port::protocol::{map, Request};
 use moat_port::replies::Replies;
+use moat_port::session::Incoming;
 use moat_port::term::{decode, encode, Term};
 use std::io::Cursor;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -565,7 +566,7 @@ fn the_reader_turns_every_packet_into_exactly_one_message() {
         let answered: Vec<u64> = messages
             .iter()
             .filter_map(|m| match m {
-                Incoming::Request { req, .. } => Some(req.seq),
+                Incoming::Call { call, .. } => Some(call.seq),
                 Incoming::Malformed(m) => Some(m.seq),
                 Incoming::Consumed => None,
             })

@@ -59,8 +59,11 @@ impl std::fmt::Display for Arity {
 
 use Arity::{AtLeast, Exactly as N};
 
-/// One entry per op: name, inputs, builder. Grouped by family.
-const TABLE: &[(&str, Arity, Builder)] = &[
+/// An op table entry: name, inputs, builder.
+pub type Entry = (&'static str, Arity, Builder);
+
+/// One entry per op. Grouped by family.
+const TABLE: &[Entry] = &[
     // creation
     ("constant", N(0), creation::constant),
     ("iota", N(0), creation::iota),
@@ -217,11 +220,13 @@ pub fn names() -> impl Iterator<Item = &'static str> {
     TABLE.iter().map(|(name, _, _)| *name)
 }
 
+/// The op's entry, found once as its request is decoded (`session::Call`).
+pub fn entry(op: &str) -> Option<&'static Entry> {
+    TABLE.iter().find(|(name, _, _)| *name == op)
+}
+
 pub fn builder(op: &str) -> Option<(Arity, Builder)> {
-    TABLE
-        .iter()
-        .find(|(name, _, _)| *name == op)
-        .map(|(_, arity, b)| (*arity, *b))
+    entry(op).map(|(_, arity, b)| (*arity, *b))
 }
 
 /// Runs a builder. On the GPU, an op that MLX's CUDA backend refuses to

@@ -1,39 +1,59 @@
 //! The program calls: `define_program`, `run_program`, `release_program`
 //! (protocol.md §6, "Programs").
 
-use super::Session;
-use crate::protocol::Request;
+use super::{Call, Session};
 use crate::registry::Failure;
 use crate::term::Term;
 
+/// A program call, decoded (a definition is parsed by `Programs::define`).
+pub enum ProgramCall {
+    Define(Term),
+    Run(u64),
+    Release(Vec<u64>),
+}
+
+impl ProgramCall {
+    pub(super) fn run(attrs: &Term) -> Result<ProgramCall, String> {
+        let id = attrs.as_int().and_then(|i| u64::try_from(i).ok());
+        id.map(ProgramCall::Run)
+            .ok_or_else(|| format!("run_program takes a program id (an integer >= 0), got {attrs}"))
+    }
+
+    pub(super) fn release(attrs: &Term) -> ProgramCall {
+        let ids = attrs.as_list().unwrap_or_default();
+        ProgramCall::Release(
+            ids.iter()
+                .filter_map(|id| id.as_int().and_then(|i| u64::try_from(i).ok()))
+                .collect(),
+        )
+    }
+}
+
 impl Session {
-    pub(super) fn program_call(&mut self, req: &Request) {
-        match req.op.as_str() {
-            "define_program" => match self.programs.define(&req.attrs, &self.checks) {
+    pub(super) fn program_call(&mut self, req: &Call, call: ProgramCall) {
+        match call {
+            ProgramCall::Define(attrs) => match self.programs.define(&attrs, &self.checks) {
                 Ok(()) => self.reply(req.seq, Term::atom("nil")),
                 Err(message) => self.fail(req.seq, &req.outs, Failure::new("define_program", message)),
             },
-            "release_program" => {
-                for id in req.attrs.as_list().unwrap_or_default() {
-                    if let Some(id) = id.as_int().and_then(|i| u64::try_from(i).ok()) {
-                        self.programs.release(id);
-                    }
+            ProgramCall::Release(ids) => {
+                for id in ids {
+                    self.programs.release(id);
                 }
                 self.reply(req.seq, Term::atom("nil"));
             }
-            _ => self.run_program(req),
+            ProgramCall::Run(id) => self.run_program(req, id),
         }
     }
 
     /// Runs a program: its outputs become `outs`, or every out is poisoned
     /// with the first failure (an unknown program, a poisoned input, or the
     /// step that failed, named by its op).
-    fn run_program(&mut self, req: &Request) {
-        let id = req.attrs.as_int().and_then(|i| u64::try_from(i).ok()).unwrap_or(0);
+    fn run_program(&mut self, req: &Call, id: u64) {
         let result = match self.programs.get(id) {
             None => Err(Failure::new(
                 "run_program",
-                format!("program {} is not defined (released, or never defined)", req.attrs),
+                format!("program {id} is not defined (released, or never defined)"),
             )),
             Some(program) if program.inputs() != req.ins.len() || program.outputs() != req.outs.len() => {
                 Err(Failure::new(

@@ -30,7 +30,9 @@ fn main() {
     }
     println!("cargo:rerun-if-changed=shim");
     println!("cargo:rerun-if-changed=mlx.pins");
+    println!("cargo:rerun-if-changed=src/mlx/ffi.rs");
     println!("cargo:rustc-check-cfg=cfg(moat_openblas)");
+    elementwise_wrappers();
 
     let pin = pin();
     let Some(mlx) = find_mlx(&pin) else {
@@ -248,4 +250,36 @@ fn pip_mlx() -> Option<PathBuf> {
     out.status
         .success()
         .then(|| PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()))
+}
+
+/// The safe element-wise ops, one per declaration in the "-- element-wise"
+/// section of src/mlx/ffi.rs: `moat_foo(a, out)` becomes `mlx::ops::foo(a)`
+/// through `unary!`, `moat_foo(a, b, out)` `foo(a, b)` through `binary!`
+/// (src/mlx/ops/mod.rs, which holds their `// SAFETY:`). So an element-wise
+/// shim function needs no wrapper written by hand.
+fn elementwise_wrappers() {
+    const SECTION: &str = "// -- element-wise";
+    const UNARY: &str = "(a: *const moat_array, out: *mut *mut moat_array) -> c_int;";
+    const BINARY: &str = "(a: *const moat_array, b: *const moat_array, out: *mut *mut moat_array) -> c_int;";
+    let ffi = std::fs::read_to_string("src/mlx/ffi.rs").expect("src/mlx/ffi.rs");
+    let start = ffi.find(SECTION).expect("ffi.rs has an element-wise section") + SECTION.len();
+    let section = &ffi[start..];
+    let section = &section[..section.find("// --").unwrap_or(section.len())];
+    let (mut unary, mut binary) = (String::new(), String::new());
+    for line in section.lines().map(str::trim).filter(|l| !l.is_empty()) {
+        let decl = line.strip_prefix("pub fn moat_");
+        let Some((name, params)) = decl.and_then(|d| d.split_once('(')) else {
+            panic!("ffi.rs's element-wise section holds only one-line declarations, found {line:?}");
+        };
+        let params = format!("({params}");
+        let list = match params.as_str() {
+            UNARY => &mut unary,
+            BINARY => &mut binary,
+            _ => panic!("ffi.rs: element-wise moat_{name} must take one or two arrays and an out"),
+        };
+        list.push_str(&format!("    {name} => moat_{name},\n"));
+    }
+    let out = PathBuf::from(env::var_os("OUT_DIR").expect("OUT_DIR")).join("elementwise_ops.rs");
+    let code = format!("unary! {{\n{unary}}}\n\nbinary! {{\n{binary}}}\n");
+    std::fs::write(out, code).expect("write elementwise_ops.rs");
 }

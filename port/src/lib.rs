@@ -1,10 +1,11 @@
 //! Moat's MLX worker. `main.rs` wires the threads; the modules follow the
 //! layers of protocol.md: `term` and `frame` (bytes), `protocol` (typed
 //! headers), `connection` (framing: where frames come from and go),
-//! `incoming` (requests from frames: upload reassembly and staging),
+//! `incoming` (requests from frames, each decoded once into a
+//! `session::Command`: upload reassembly and staging),
 //! `replies` (the way out, readbacks in chunks), `cnode` (the Erlang
 //! distribution transport), `session` (the MLX
-//! thread), `failure` (failures as data), `checks` (what every op's outputs
+//! thread: one dispatch over the decoded commands), `failure` (failures as data), `checks` (what every op's outputs
 //! must pass), `registry` (ids to arrays), `program` (graphs defined once and
 //! run many times), `budget` (the memory limit), `shared` (same-host transfers
 //! through shared memory), `ops` (the op table), `mlx` (the safe layer over

@@ -1,5 +1,8 @@
 //! The thread that owns the MLX stream: it runs every request in arrival
-//! order, keeps the registry, and acknowledges progress.
+//! order, keeps the registry, and acknowledges progress. Requests arrive
+//! decoded (`command`); `Session::call` is their one dispatch, and each
+//! family of calls has its file (`memory_calls`, `program_calls`; the
+//! tensor calls are here).
 
 use crate::budget::{self, budget, EvalError, Pressure};
 use crate::checks::Checks;

@@ -201,16 +201,16 @@ defmodule Profile do
     parts = [
       {"`Moat.Client.new_id/0`", fn -> Moat.Client.new_id() end},
       {"`Moat.Finalizer.new/2` (and the token's destructor, at GC)", fn -> Moat.Finalizer.new(conn.releaser, 1) end},
-      {"`Moat.Client.ref/2` (Finalizer.new and the checks around it)",
-       fn -> Moat.Client.ref(conn, Moat.Client.new_id()) end},
-      {"`Moat.Client.ids!/3` of two handles", fn -> Moat.Client.ids!(conn, [one, one], :add) end},
+      {"`Moat.Handles.ref/2` (Finalizer.new and the checks around it)",
+       fn -> Moat.Handles.ref(conn, Moat.Client.new_id()) end},
+      {"`Moat.Handles.ids!/3` of two handles", fn -> Moat.Handles.ids!(conn, [one, one], :add) end},
       {"`Moat.Protocol.request/7`: encoding an add's frame", frame},
       {"`Port.command/2` of a `:sync` cast (seq 0: no reply)", fn -> Moat.Client.cast(conn, :sync, [], [], nil) end},
       {"all of a raw add: new_id, ids!, ref, cast",
        fn ->
          id = Moat.Client.new_id()
-         Moat.Client.cast(conn, :add, [id], Moat.Client.ids!(conn, [one, one], :add), %{type: {:f, 32}})
-         Moat.Client.ref(conn, id)
+         Moat.Client.cast(conn, :add, [id], Moat.Handles.ids!(conn, [one, one], :add), %{type: {:f, 32}})
+         Moat.Handles.ref(conn, id)
        end},
       {"`Nx.add` on Moat.Backend", fn -> Nx.add(small, small) end},
       {"`Nx.add` on Nx.BinaryBackend", fn -> Nx.add(bin, bin) end}

@@ -9,6 +9,9 @@
 #                      to $MOAT_STAMPS (default /tmp/moat_stamps.bin)
 #   join STDERR_LOG    joins those stamps into the hop table
 #   dispatch           the caller's cost of each part of a fire-and-forget op
+#   eprof              where a chain of fire-and-forget `Nx.add`s spends the
+#                      caller's time, function by function (:eprof; its own
+#                      overhead inflates every row: read the shares)
 #   ab BEFORE AFTER    two worker binaries side by side in one VM: paired wall
 #                      medians, and per call the worker's CPU time and context
 #                      switches (from /proc, which load does not move much)
@@ -21,6 +24,7 @@ defmodule Profile do
   def main(["join", log]), do: join(log)
   def main(["ab", before, after_]), do: ab(before, after_)
   def main(["dispatch"]), do: dispatch()
+  def main(["eprof"]), do: eprof()
   def main(_), do: paths()
 
   ## paths
@@ -225,6 +229,20 @@ defmodule Profile do
       :erlang.garbage_collect()
       row([label, fmt(each)])
     end
+  end
+
+  ## eprof
+
+  defp eprof do
+    Mix.ensure_application!(:tools)
+    small = moat(f32(4, 1.5), {4})
+    conn = Moat.Client.conn(Moat.Worker)
+    chain = fn n -> Enum.reduce(1..n, small, fn _, acc -> Nx.add(acc, small) end) end
+    chain.(2_000)
+    {:ok, _, _} = Moat.Client.call(conn, :sync, [], nil)
+    :eprof.start()
+    :eprof.profile([], fn -> chain.(20_000) && :ok end)
+    :eprof.analyze(:total, sort: :time)
   end
 
   ## ab

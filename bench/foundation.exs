@@ -62,8 +62,8 @@ one = Moat.from_binary(f32(4, 1.0), {4}, {:f, 32})
 # (a collection while the cast waits for the window would release them).
 raw_add = fn acc ->
   id = Moat.Client.new_id()
-  Moat.Client.cast(conn, :add, [id], Moat.Client.ids!(conn, [acc, one], :add), %{type: {:f, 32}})
-  Moat.Client.ref(conn, id)
+  Moat.Client.cast(conn, :add, [id], Moat.Handles.ids!(conn, [acc, one], :add), %{type: {:f, 32}})
+  Moat.Handles.ref(conn, id)
 end
 
 nx_runs = for _ <- 1..3, do: chain.(&Nx.add(&1, small_moat), small_moat, &Nx.to_binary/1)

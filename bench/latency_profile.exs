@@ -9,6 +9,9 @@
 #                      to $MOAT_STAMPS (default /tmp/moat_stamps.bin)
 #   join STDERR_LOG    joins those stamps into the hop table
 #   dispatch           the caller's cost of each part of a fire-and-forget op
+#   eprof              where a chain of fire-and-forget `Nx.add`s spends the
+#                      caller's time, function by function (:eprof; its own
+#                      overhead inflates every row: read the shares)
 #   ab BEFORE AFTER    two worker binaries side by side in one VM: paired wall
 #                      medians, and per call the worker's CPU time and context
 #                      switches (from /proc, which load does not move much)
@@ -21,6 +24,7 @@ defmodule Profile do
   def main(["join", log]), do: join(log)
   def main(["ab", before, after_]), do: ab(before, after_)
   def main(["dispatch"]), do: dispatch()
+  def main(["eprof"]), do: eprof()
   def main(_), do: paths()
 
   ## paths
@@ -201,16 +205,16 @@ defmodule Profile do
     parts = [
       {"`Moat.Client.new_id/0`", fn -> Moat.Client.new_id() end},
       {"`Moat.Finalizer.new/2` (and the token's destructor, at GC)", fn -> Moat.Finalizer.new(conn.releaser, 1) end},
-      {"`Moat.Client.ref/2` (Finalizer.new and the checks around it)",
-       fn -> Moat.Client.ref(conn, Moat.Client.new_id()) end},
-      {"`Moat.Client.ids!/3` of two handles", fn -> Moat.Client.ids!(conn, [one, one], :add) end},
+      {"`Moat.Handles.ref/2` (Finalizer.new and the checks around it)",
+       fn -> Moat.Handles.ref(conn, Moat.Client.new_id()) end},
+      {"`Moat.Handles.ids!/3` of two handles", fn -> Moat.Handles.ids!(conn, [one, one], :add) end},
       {"`Moat.Protocol.request/7`: encoding an add's frame", frame},
       {"`Port.command/2` of a `:sync` cast (seq 0: no reply)", fn -> Moat.Client.cast(conn, :sync, [], [], nil) end},
       {"all of a raw add: new_id, ids!, ref, cast",
        fn ->
          id = Moat.Client.new_id()
-         Moat.Client.cast(conn, :add, [id], Moat.Client.ids!(conn, [one, one], :add), %{type: {:f, 32}})
-         Moat.Client.ref(conn, id)
+         Moat.Client.cast(conn, :add, [id], Moat.Handles.ids!(conn, [one, one], :add), %{type: {:f, 32}})
+         Moat.Handles.ref(conn, id)
        end},
       {"`Nx.add` on Moat.Backend", fn -> Nx.add(small, small) end},
       {"`Nx.add` on Nx.BinaryBackend", fn -> Nx.add(bin, bin) end}
@@ -225,6 +229,20 @@ defmodule Profile do
       :erlang.garbage_collect()
       row([label, fmt(each)])
     end
+  end
+
+  ## eprof
+
+  defp eprof do
+    Mix.ensure_application!(:tools)
+    small = moat(f32(4, 1.5), {4})
+    conn = Moat.Client.conn(Moat.Worker)
+    chain = fn n -> Enum.reduce(1..n, small, fn _, acc -> Nx.add(acc, small) end) end
+    chain.(2_000)
+    {:ok, _, _} = Moat.Client.call(conn, :sync, [], nil)
+    :eprof.start()
+    :eprof.profile([], fn -> chain.(20_000) && :ok end)
+    :eprof.analyze(:total, sort: :time)
   end
 
   ## ab

@@ -1,7 +1,7 @@
 # What automatic release costs and how fast it is. Prints medians.
 # Run with: mix run bench/release.exs
 #
-#   1. per-handle overhead: Moat.Client.ref/2 (token, scope check, creator
+#   1. per-handle overhead: Moat.Handles.ref/2 (token, scope check, creator
 #      announcement) against building the bare struct, and an Nx op end to end
 #   2. release delay: garbage collection of the last holder -> id gone in the
 #      worker, and an idle process's dropped handle -> gone (nudge)
@@ -67,7 +67,7 @@ bare =
     }
   end)
 
-ref = Bench.per_call(10_000, fn -> Client.ref(%{conn | releaser: sink}, id) end)
+ref = Bench.per_call(10_000, fn -> Moat.Handles.ref(%{conn | releaser: sink}, id) end)
 
 # Making a token, and the collection that frees it (its destructor sends).
 {create, collect} =
@@ -104,7 +104,7 @@ release_frames = :atomics.get(conn.counters, 2) - sent - 30_001
 IO.puts("""
 1. per handle
    bare %Moat.Ref{}                         #{Bench.us(bare)}
-   Moat.Client.ref/2 (token and all)        #{Bench.us(ref)}
+   Moat.Handles.ref/2 (token and all)        #{Bench.us(ref)}
    token: made                              #{Bench.us(Bench.median(create))}
    token: freed by a collection (sends)     #{Bench.us(Bench.median(collect))}
    Nx.add/2 end to end, result dropped      #{Bench.us(op)}

@@ -109,7 +109,7 @@ defmodule Moat do
     * `[:moat, :worker, :up]` and `[:moat, :worker, :down]` — see `Moat.Worker`
   """
 
-  alias Moat.{Client, Error, Ref, Releaser}
+  alias Moat.{Client, Error, Handles, Ref, Releaser, Transfer}
 
   @supported [
     {:u, 8},
@@ -172,8 +172,8 @@ defmodule Moat do
 
     conn = Client.conn(Keyword.get(opts, :worker, Moat.Worker))
     id = Client.new_id()
-    ref = Client.ref(conn, id)
-    Client.upload(conn, id, binary, dims, type)
+    ref = Handles.ref(conn, id)
+    Transfer.upload(conn, id, binary, dims, type)
     ref
   end
 
@@ -184,7 +184,7 @@ defmodule Moat do
   @spec to_binary(Ref.t()) :: binary()
   def to_binary(%Ref{worker: worker} = ref) do
     :telemetry.span([:moat, :to_binary], %{worker: worker}, fn ->
-      {:ok, meta, data} = ok!(Client.to_binary(ref))
+      {:ok, meta, data} = ok!(Handles.to_binary(ref))
       shape = List.to_tuple(meta.shape)
       transfer = Map.get(meta, :transfer, :pipe)
       {data, %{worker: worker, shape: shape, dtype: meta.dtype, byte_size: meta.bytes, transfer: transfer}}
@@ -213,7 +213,7 @@ defmodule Moat do
 
     :telemetry.span([:moat, :eval], %{worker: worker, count: length(refs)}, fn ->
       conn = Client.conn(worker)
-      ids = Client.ids!(conn, refs, :eval)
+      ids = Handles.ids!(conn, refs, :eval)
       {:ok, _, _} = ok!(Client.call(conn, :eval, ids, nil))
       {:ok, %{worker: worker, count: length(refs)}}
     end)
@@ -229,7 +229,7 @@ defmodule Moat do
   def async_eval(tensors) do
     [%Ref{worker: worker} | _] = refs = refs!(tensors, :async_eval)
     conn = Client.conn(worker)
-    Client.cast(conn, :async_eval, [], Client.ids!(conn, refs, :async_eval), nil)
+    Client.cast(conn, :async_eval, [], Handles.ids!(conn, refs, :async_eval), nil)
   end
 
   defp refs!(tensors, op) do
@@ -258,7 +258,7 @@ defmodule Moat do
   raises.
   """
   @spec deallocate(Ref.t()) :: :ok | :already_deallocated
-  def deallocate(%Ref{} = ref), do: Client.release(ref)
+  def deallocate(%Ref{} = ref), do: Handles.release(ref)
 
   @doc """
   Runs `fun` and releases every tensor it created in this process, except
@@ -277,7 +277,7 @@ defmodule Moat do
       result = Moat.scope(fn -> x |> Nx.multiply(2) |> Nx.sum() end)
   """
   @spec scope((-> result)) :: result when result: term()
-  def scope(fun) when is_function(fun, 0), do: Moat.Scope.run(fun, &Client.release_ids/3)
+  def scope(fun) when is_function(fun, 0), do: Moat.Scope.run(fun, &Handles.release_ids/3)
 
   @doc """
   `w` (f32, f16 or bf16, `{..., out, in}`) quantized along its last axis,
@@ -376,7 +376,7 @@ defmodule Moat do
 
   defp call!(%Ref{worker: worker} = ref, op) do
     conn = Client.conn(worker)
-    [id] = Client.ids!(conn, [ref], op)
+    [id] = Handles.ids!(conn, [ref], op)
     {:ok, result, payload} = ok!(Client.call(conn, op, [id], nil))
     {result, payload}
   end

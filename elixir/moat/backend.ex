@@ -289,7 +289,7 @@ defmodule Moat.Backend do
   # The largest tensor (in bits) whose bytes a handle keeps.
   @host_bits 256 * 8
 
-  alias Moat.{Client, Ref, Types}
+  alias Moat.{Client, Handles, Ref, Types}
   alias Moat.Compiler.Recorder
   alias Nx.Tensor, as: T
 
@@ -1116,7 +1116,7 @@ defmodule Moat.Backend do
   # one counts: using it raises).
   defp here?(tensor, opts) do
     ref = ref(tensor)
-    worker(opts) == ref.worker and not match?({:remote, _}, Client.locate(ref))
+    worker(opts) == ref.worker and not match?({:remote, _}, Handles.locate(ref))
   end
 
   # Sends one graph-building op and returns `out` bound to its result.
@@ -1153,10 +1153,10 @@ defmodule Moat.Backend do
       Moat.check_type!(out.type)
       gpu_type!(out.type, device, name)
       conn = Client.conn(worker)
-      ids = Client.ids!(conn, Enum.map(inputs, &ref/1), name)
+      ids = Handles.ids!(conn, Enum.map(inputs, &ref/1), name)
       id = Client.new_id()
       # The handle exists before the frame that defines its id (see multi_op).
-      handle = Client.ref(conn, id)
+      handle = Handles.ref(conn, id)
       Client.cast(conn, name, [id], ids, attrs)
       %{out | data: %__MODULE__{ref: handle, device: device}}
     else
@@ -1211,11 +1211,11 @@ defmodule Moat.Backend do
     Enum.each(outs, &gpu_type!(&1.type, device, name))
     moved = Enum.map(inputs, &to_worker(&1, worker))
     conn = Client.conn(worker)
-    ids = Client.ids!(conn, Enum.map(moved, &ref/1), name)
+    ids = Handles.ids!(conn, Enum.map(moved, &ref/1), name)
     out_ids = Client.new_ids(length(outs))
     # Handles (and their release tokens) exist before the frame that defines
     # their ids: a process that dies in between leaves no tensor behind.
-    refs = Enum.map(out_ids, &Client.ref(conn, &1))
+    refs = Enum.map(out_ids, &Handles.ref(conn, &1))
     Client.cast(conn, name, out_ids, ids, attrs)
 
     case for {m, i} <- Enum.zip(moved, inputs), m != i, do: ref(m).id do
@@ -1250,7 +1250,7 @@ defmodule Moat.Backend do
     gpu_type!(out.type, device, name)
     conn = Client.conn(worker(opts))
     id = Client.new_id()
-    ref = Client.ref(conn, id)
+    ref = Handles.ref(conn, id)
     Client.cast(conn, name, [id], [], attrs)
     wrap(out, ref, device)
   end

@@ -103,7 +103,7 @@ defmodule Moat.Compiler do
   @behaviour Nx.Defn.Compiler
 
   alias Moat.Compiler.{Cache, Lower}
-  alias Moat.{Client, Ref}
+  alias Moat.{Client, Handles, Ref}
   alias Nx.Defn.Composite
   alias Nx.Tensor, as: T
 
@@ -241,10 +241,10 @@ defmodule Moat.Compiler do
     args = List.to_tuple(args)
     tensors = Enum.map(c.used, &param(elem(args, &1).(), c.quant[&1])) ++ c.captures
     moved = Enum.map(tensors, &to_worker(&1, c.worker, c.device))
-    ins = Client.ids!(conn, Enum.map(moved, & &1.data.ref), :run_program)
+    ins = Handles.ids!(conn, Enum.map(moved, & &1.data.ref), :run_program)
     outs = Client.new_ids(c.outputs)
-    # Handles exist before the frame that defines their ids (see Moat.Client.ref/2).
-    refs = Enum.map(outs, &Client.ref(conn, &1))
+    # Handles exist before the frame that defines their ids (see Moat.Handles.ref/2).
+    refs = Enum.map(outs, &Handles.ref(conn, &1))
     if outs != [], do: Client.cast(conn, :run_program, outs, ins, id)
     Cache.count(:replay)
 

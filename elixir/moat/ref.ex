@@ -25,7 +25,7 @@ defmodule Moat.Ref do
 
   `token` frees the tensor in the worker once the VM has garbage-collected
   every copy of the handle (see `Moat`, "Memory"). Copies of a handle share
-  it. Make handles with `Moat.Client.ref/2`: a handle without a token
+  it. Make handles with `Moat.Handles.ref/2`: a handle without a token
   (`nil`) is never released automatically.
   """
 

@@ -18,7 +18,7 @@ defmodule Moat.Releaser do
   #   * on `{:memory_pressure, active}` (the worker's live buffers grew by
   #     half since their last low point), every creator gets a full-sweep
   #     garbage collection (a busy creator also collects itself, at its next
-  #     handle: see Moat.Client.ref/2);
+  #     handle: see Moat.Handles.ref/2);
   #   * a process that goes idle (a Livebook evaluator between cells) may
   #     never collect again: every `:gc_nudge` milliseconds, a creator whose
   #     reduction count has not moved since the previous tick is collected

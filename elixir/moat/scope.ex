@@ -6,8 +6,8 @@ defmodule Moat.Scope do
   # handles' tokens are not marked, so an id a scope released may be sent
   # again when its handle is collected; the worker ignores unknown ids.
   #
-  # `run/2` is given the function that releases ids (Moat.Client's), so that
-  # this module, which Moat.Client calls, calls nothing that calls it.
+  # `run/2` is given the function that releases ids (Moat.Handles'), so that
+  # this module, which Moat.Handles calls, calls nothing that calls it.
 
   alias Moat.Ref
 

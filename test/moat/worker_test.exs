@@ -3,13 +3,13 @@ defmodule Moat.WorkerTest do
   use ExUnit.Case, async: false
   import Moat.Case
 
-  alias Moat.{Client, Error}
+  alias Moat.{Client, Error, Handles}
 
   defp matmul(a, b) do
     conn = Client.conn(a.worker)
     id = Client.new_id()
-    Client.cast(conn, :matmul, [id], Client.ids!(conn, [a, b], :matmul), %{type: {:f, 32}})
-    Client.ref(conn, id)
+    Client.cast(conn, :matmul, [id], Handles.ids!(conn, [a, b], :matmul), %{type: {:f, 32}})
+    Handles.ref(conn, id)
   end
 
   defp filled(worker, value, n) do
@@ -139,10 +139,10 @@ defmodule Moat.WorkerTest do
       [last | _] =
         Enum.reduce(1..3_000, [one], fn _, [acc | _] = all ->
           id = Client.new_id()
-          Client.cast(conn, :add, [id], Client.ids!(conn, [acc, one], :add), %{type: {:f, 32}})
+          Client.cast(conn, :add, [id], Handles.ids!(conn, [acc, one], :add), %{type: {:f, 32}})
           sent = :atomics.get(conn.counters, 2)
           assert sent - Client.acked(conn) <= 16
-          [Client.ref(conn, id) | all]
+          [Handles.ref(conn, id) | all]
         end)
 
       assert Moat.to_binary(last) == f32([3001.0])
@@ -232,8 +232,8 @@ defmodule Moat.WorkerTest do
       chain = fn n, op ->
         Enum.reduce(1..n, one, fn _, acc ->
           id = Moat.Client.new_id()
-          Moat.Client.cast(conn, op, [id], Moat.Client.ids!(conn, [acc, one], op), %{type: {:f, 32}})
-          Moat.Client.ref(conn, id)
+          Moat.Client.cast(conn, op, [id], Moat.Handles.ids!(conn, [acc, one], op), %{type: {:f, 32}})
+          Moat.Handles.ref(conn, id)
         end)
       end
       slow = chain.(2000, :matmul)

@@ -8,7 +8,7 @@ defmodule Moat.Reliability.MalformedTest do
   import ExUnit.CaptureLog
   import Bitwise
 
-  alias Moat.{Client, Error, Protocol, Reliability}
+  alias Moat.{Client, Error, Handles, Protocol, Reliability, Transfer}
 
   @moduletag :capture_log
 
@@ -21,8 +21,8 @@ defmodule Moat.Reliability.MalformedTest do
 
   defp cast(conn, op, ins, attrs) do
     id = Client.new_id()
-    Client.cast(conn, op, [id], Client.ids!(conn, ins, op), attrs)
-    Client.ref(conn, id)
+    Client.cast(conn, op, [id], Handles.ids!(conn, ins, op), attrs)
+    Handles.ref(conn, id)
   end
 
   defp read_error(ref) do
@@ -64,22 +64,22 @@ defmodule Moat.Reliability.MalformedTest do
     error = read_error(cast(conn, :astype, [one], %{type: {:f, 8}}))
     assert error.message =~ "unsupported type {:f, 8}"
     id = Client.new_id()
-    Client.upload(conn, id, <<0::32>>, [1], {:q, 32})
-    error = read_error(Client.ref(conn, id))
+    Transfer.upload(conn, id, <<0::32>>, [1], {:q, 32})
+    error = read_error(Handles.ref(conn, id))
     assert {error.op, error.message} == {:from_binary, "from_binary: missing or unsupported dtype"}
     serves(worker)
   end
 
   test "payload sizes that do not match the shape", %{worker: worker, conn: conn} do
     id = Client.new_id()
-    Client.upload(conn, id, <<0::96>>, [4], {:f, 32})
-    error = read_error(Client.ref(conn, id))
+    Transfer.upload(conn, id, <<0::96>>, [4], {:f, 32})
+    error = read_error(Handles.ref(conn, id))
     assert error.message =~ "bytes is 12 but the shape and dtype need 16"
     serves(worker)
   end
 
   test "ids that do not exist", %{worker: worker, conn: conn, one: one} do
-    ghost = Client.ref(conn, Client.new_id())
+    ghost = Handles.ref(conn, Client.new_id())
     error = read_error(ghost)
     assert error.message =~ "unknown tensor id #{ghost.id} (never defined, or released)"
     error = read_error(cast(conn, :add, [one, ghost], %{type: {:f, 32}}))

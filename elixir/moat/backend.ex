@@ -98,6 +98,11 @@ defmodule Moat.Backend do
       f16 and bf16 results are the f32 result rounded once. Other math
       follows MLX's kernels: in f32 within ~5e-7 relative of Erlang's
       `:math`.
+    * bf16 results computed here are rounded to nearest (ties to even), as
+      MLX, EXLA and Torchx round; Nx.BinaryBackend truncates (it keeps the
+      high 16 bits of the f32), so its bf16 results are often one bf16 ulp
+      lower in magnitude (`exp(-2)`: 0.1357 here, 0.1348 there; exact
+      0.1353). Axon's bf16 activation doctests show it (docs/downstream.md).
     * Where Nx.BinaryBackend has no answer or a wrong one: `tanh` and `erf`
       of ±inf are ±1 (BinaryBackend: NaN); `sign` of NaN is NaN and of -inf
       is -1 (BinaryBackend: 1); `ceil`, `floor` and `round` return

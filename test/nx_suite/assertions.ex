@@ -41,6 +41,43 @@ defmodule NxSuite.Assertions do
   def to_host(other), do: other
 end
 
+defmodule NxSuite.DocTest do
+  @moduledoc false
+  # A doctest whose expected value is an expression (`Nx.tensor(...)`, a
+  # struct holding tensors) is compared by ExUnit with a pin (`^expected`),
+  # structurally: two equal Moat tensors hold different handles. This
+  # `doctest` is ExUnit's, with both sides of that comparison copied to
+  # Nx.BinaryBackend first (as `assert a == b` above); `#Nx.Tensor<...>`
+  # expectations (compared by `inspect`) are unchanged.
+  defmacro doctest(module, opts \\ []) do
+    quote bind_quoted: [module: module, opts: opts, env_line: __CALLER__.line, env_file: __CALLER__.file] do
+      require ExUnit.DocTest
+      file = ExUnit.DocTest.__file__(module)
+
+      for {name, test, tags} <- ExUnit.DocTest.__doctests__(module, opts) do
+        @file file
+        doc = ExUnit.Case.register_test(__MODULE__, env_file, env_line, :doctest, name, tags)
+        def unquote(doc)(_), do: unquote(NxSuite.DocTest.host_values(test))
+      end
+    end
+  end
+
+  @doc false
+  def host_values(test) do
+    Macro.prewalk(test, fn
+      {{:., m1, [{:__aliases__, _, [:ExUnit, :DocTest]}, :__test__]}, m2, [value, expected | rest]} ->
+        {{:., m1, [ExUnit.DocTest, :__test__]}, m2,
+         [
+           quote(do: NxSuite.Assertions.to_host(unquote(value))),
+           quote(do: NxSuite.Assertions.to_host(unquote(expected))) | rest
+         ]}
+
+      other ->
+        other
+    end)
+  end
+end
+
 defmodule NxSuite.Swap do
   @moduledoc false
   # `use NxSuite.Swap` after `use ExUnit.Case`/`use Nx.Case` puts
@@ -53,6 +90,8 @@ defmodule NxSuite.Swap do
     quote do
       import ExUnit.Assertions, except: [assert: 1, refute: 1]
       import NxSuite.Assertions, only: [assert: 1, refute: 1]
+      import ExUnit.DocTest, only: [doctest_file: 1, doctest_file: 2]
+      import NxSuite.DocTest, only: [doctest: 1, doctest: 2]
 
       if System.get_env("NX_SUITE_BACKEND") != "binary" do
         setup do

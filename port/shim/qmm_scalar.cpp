@@ -48,4 +48,8 @@ void run_scalar(const Problem& p, int n0, int n1) {
   }
 }
 
+size_t nothing_prepared(const Problem&) { return 0; }
+
+const Set scalar_set = {run_scalar, nothing_prepared, nullptr};
+
 }  // namespace moat::qmm

@@ -9,6 +9,7 @@
 // microscaled modes) and, for :affine only, the biases (as the scales).
 #include <stdexcept>
 #include <string>
+#include <vector>
 #include <thread>
 
 #include "mlx/backend/cpu/encoder.h"
@@ -22,7 +23,7 @@ namespace q = moat::qmm;
 
 namespace {
 
-std::atomic<q::Kernel> selected{q::run_scalar};
+std::atomic<const q::Set*> selected{&q::scalar_set};
 std::atomic<bool> use_mlx{false};
 
 struct Parts {
@@ -77,10 +78,15 @@ Parts unpack(const mx::array& packed, const mx::Shape& shape, mx::Dtype dense, i
 // saves (~20 us to start one against ~0.1 ns a weight).
 constexpr size_t kMinWeightsPerThread = size_t(1) << 20;
 
-void run_parallel(q::Kernel kernel, const q::Problem& p) {
+void run_parallel(const q::Set& set, q::Problem p) {
+  std::vector<float> prepared(set.prepared_floats(p));
+  if (!prepared.empty()) {
+    set.prepare(p, prepared.data());
+    p.prepared = prepared.data();
+  }
   size_t weights = static_cast<size_t>(p.N) * p.K * p.M;
   moat::parallel_blocks(p.N, 64, moat::threads_for(weights, kMinWeightsPerThread),
-                        [&](size_t lo, size_t hi) { kernel(p, static_cast<int>(lo), static_cast<int>(hi)); });
+                        [&](size_t lo, size_t hi) { set.run(p, static_cast<int>(lo), static_cast<int>(hi)); });
 }
 
 q::Scale scale_storage(mx::Dtype t) {
@@ -108,7 +114,7 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
     size_t s_bytes = static_cast<size_t>(n_) * (k_ / group_) * (st_ == q::F32 ? 4 : 2);
     q::Problem p{x.data<float>(), w, w + w_bytes, w + w_bytes + s_bytes, out.data<float>(),
                  static_cast<int>(x.size() / k_), n_, k_, bits_, group_, st_};
-    encoder.dispatch([kernel = selected.load(), p] { run_parallel(kernel, p); });
+    encoder.dispatch([set = selected.load(), p] { run_parallel(*set, p); });
   }
 
   void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
@@ -158,9 +164,9 @@ namespace moat::qmm {
 void select(int set) {
   use_mlx.store(set == MOAT_KERNELS_MLX);
 #if defined(__x86_64__)
-  selected.store(set == MOAT_KERNELS_AVX2 || set == MOAT_KERNELS_AVX512 ? run_avx2 : run_scalar);
+  selected.store(set == MOAT_KERNELS_AVX2 || set == MOAT_KERNELS_AVX512 ? &avx2_set : &scalar_set);
 #else
-  selected.store(run_scalar);
+  selected.store(&scalar_set);
 #endif
 }
 }  // namespace moat::qmm

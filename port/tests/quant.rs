@@ -127,6 +127,33 @@ fn the_product_matches_dequantize_then_multiply_for_every_width_and_set() {
     }
 }
 
+/// Rows of 96 values: the 4-bit AVX2 kernel takes blocks of 64 (x reordered
+/// once per product), so these go through its other path.
+#[test]
+fn rows_that_are_not_a_multiple_of_64_values() {
+    let (n, k) = (9, 96);
+    for set in sets() {
+        let mut w = Worker::start_env(&[], &[("MOAT_CPU_FEATURES", set)]);
+        w.upload_f32(3, &[n, k], &values((n * k) as usize, 11));
+        for m in [1, 2, 5] {
+            w.upload_f32(2, &[m, k], &values((m * k) as usize, 12 + m as u64));
+            for bits in [2, 3, 4, 6, 8] {
+                let attrs = map(vec![
+                    ("bits", Term::int(bits)),
+                    ("group_size", Term::int(32)),
+                    ("mode", Term::atom("affine")),
+                ]);
+                w.request(0, "quantize", &[1], &[3], attrs);
+                w.read(3, 1).expect("quantize");
+                let (got, want) = product_and_reference(&mut w, &[m, k], &[n, k], bits, 32);
+                assert_close(&got, &want, &format!("{set}: m {m}, {bits} bits, k {k}"));
+                w.request(0, "release", &[], &[1], nil());
+            }
+            w.request(0, "release", &[], &[2], nil());
+        }
+    }
+}
+
 #[test]
 fn batched_strided_broadcast_and_empty_inputs() {
     let (n, k) = (16, 64);

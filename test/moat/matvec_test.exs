@@ -2,7 +2,20 @@ defmodule Moat.MatVecTest do
   # The worker's decode-shaped products (x {M <= 16, K} by a weight {N, K} or
   # {K, N}: one pass over the weight in its own storage, accumulated in f32)
   # against Nx.BinaryBackend's Nx.dot, eagerly and in a Moat.Compiler program.
+  # Every kernel set: the default worker's (the widest), the scalar
+  # fallback, AVX2 where the CPU has it, and MLX's own matmul (:mlx).
   use ExUnit.Case, async: true
+
+  import Moat.Case
+
+  @flags File.read!("/proc/cpuinfo") |> String.split() |> MapSet.new()
+  @avx2 Enum.all?(~w(avx2 fma f16c), &MapSet.member?(@flags, &1))
+  @sets [scalar: :matvec_scalar, mlx: :matvec_mlx] ++ if(@avx2, do: [avx2: :matvec_avx2], else: [])
+
+  setup_all do
+    for {set, name} <- @sets, do: start_worker(name, cpu_kernels: set)
+    :ok
+  end
 
   # atol = rtol on unit-normal data, sums of K products: f32 differs in the
   # order of the sum; f16 and bf16 round once, from f32 (Nx rounds the same
@@ -14,7 +27,7 @@ defmodule Moat.MatVecTest do
     Nx.as_type(t, type)
   end
 
-  defp moat(t), do: Nx.backend_transfer(t, Moat.Backend)
+  defp moat(t, worker \\ Moat.Worker), do: Nx.backend_transfer(t, {Moat.Backend, worker: worker})
 
   defp assert_close!(got, want, tol) do
     assert got.shape == want.shape and got.type == want.type
@@ -42,11 +55,11 @@ defmodule Moat.MatVecTest do
     test "x . w at decode shapes matches Nx.BinaryBackend (#{Nx.Type.to_string(type)})" do
       type = unquote(type)
 
-      for {{xs, ws, cx, cw}, i} <- Enum.with_index(@cases) do
+      for {{xs, ws, cx, cw}, i} <- Enum.with_index(@cases), worker <- [Moat.Worker | Keyword.values(@sets)] do
         x = random(i, xs, type)
         w = random(100 + i, ws, type)
         want = Nx.dot(x, cx, w, cw)
-        assert_close!(Nx.dot(moat(x), cx, moat(w), cw), want, @tolerance[type])
+        assert_close!(Nx.dot(moat(x, worker), cx, moat(w, worker), cw), want, @tolerance[type])
       end
     end
   end

@@ -60,11 +60,15 @@ defmodule Decoder do
   def params(c, type) do
     key = Nx.Random.key(42) |> Nx.backend_transfer(Moat.Backend)
 
-    # Drawn in the worker: 100M normals on Nx.BinaryBackend take hours.
+    # Drawn in the worker (100M normals on Nx.BinaryBackend take hours), and
+    # evaluated one by one: left lazy, the first step would evaluate all of
+    # them with their f32 draws at once.
     random = fn shape, seed ->
       Nx.with_default_backend(Moat.Backend, fn ->
         {t, _} = Nx.Random.normal(Nx.Random.fold_in(key, seed), 0.0, 0.02, shape: shape, type: {:f, 32})
-        Nx.as_type(t, type)
+        t = Nx.as_type(t, type)
+        Moat.eval([t])
+        t
       end)
     end
 

@@ -1056,6 +1056,8 @@ defmodule Moat.Backend do
   defp fast_block(%Moat.Fast.LayerNorm{eps: eps}, out, args),
     do: op(out, :fast_layer_norm, args, %{eps: eps, type: out.type})
 
+  defp fast_block(%Moat.Fast.Rope{positions: true}, _out, _args), do: :default
+
   defp fast_block(%Moat.Fast.Rope{} = r, out, args) do
     attrs = %{
       dims: r.dims,

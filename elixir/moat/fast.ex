@@ -41,7 +41,9 @@ defmodule Moat.Fast do
 
   defmodule Rope do
     @moduledoc false
-    defstruct dims: nil, traditional: false, base: 10_000.0, scale: 1.0, offset: 0, seq_axis: nil
+    # positions: the input after x is a {T} or {B, T} tensor of position ids
+    # (MLX's kernel has none: the reference runs everywhere).
+    defstruct dims: nil, traditional: false, base: 10_000.0, scale: 1.0, offset: 0, seq_axis: nil, positions: false
   end
 
   defmodule SDPA do
@@ -124,11 +126,24 @@ defmodule Moat.Fast do
   retrace per step), `:freqs` (a `{dims / 2}` tensor,
   replaces `:base`), `:seq_axis` (default `-2`: `{B, H, T, D}` or
   `{B, T, D}`; pass `seq_axis: 1` for `{B, T, H, D}`, where every head of a
-  row shares the row's position).
+  row shares the row's position), `:positions` (an integer tensor of
+  position ids, `{T}` or one row per batch `{B, T}`, in place of
+  `:offset`: packed or left-padded batches; MLX has no kernel for it, so it
+  runs the reference composition on every backend).
   """
   @spec rope(Nx.Tensor.t(), pos_integer(), keyword()) :: Nx.Tensor.t()
   def rope(x, dims, opts \\ []) do
-    opts = keyword!(opts, traditional: false, base: 10_000.0, scale: 1.0, offset: 0, freqs: nil, seq_axis: -2)
+    opts =
+      keyword!(opts,
+        traditional: false,
+        base: 10_000.0,
+        scale: 1.0,
+        offset: 0,
+        freqs: nil,
+        seq_axis: -2,
+        positions: nil
+      )
+
     [x] = floats!(:rope, [x])
     rank = Nx.rank(x)
     last = if rank > 0, do: elem(x.shape, rank - 1), else: 0
@@ -146,7 +161,8 @@ defmodule Moat.Fast do
     end
 
     offset = opts[:offset]
-    offsets = offsets!(offset, x, seq_axis)
+    positions = positions!(opts[:positions], offset, x, seq_axis)
+    offsets = positions || offsets!(offset, x, seq_axis)
 
     struct = %Rope{
       dims: dims,
@@ -154,7 +170,8 @@ defmodule Moat.Fast do
       base: opts[:base] * 1.0,
       scale: opts[:scale] * 1.0,
       offset: if(offsets, do: nil, else: offset),
-      seq_axis: seq_axis
+      seq_axis: seq_axis,
+      positions: positions != nil
     }
 
     freqs =
@@ -177,6 +194,31 @@ defmodule Moat.Fast do
       {o, nil} -> Nx.block(struct, [x, o], out, &rope_ref(&1, &2, &3, nil))
       {o, f} -> Nx.block(struct, [x, o, f], out, &rope_ref/4)
     end
+  end
+
+  defp positions!(nil, _offset, _x, _seq_axis), do: nil
+
+  defp positions!(%Nx.Tensor{type: {k, _}} = p, 0, x, seq_axis) when k in [:s, :u] do
+    {batch, len} = {elem(x.shape, 0), elem(x.shape, seq_axis)}
+
+    cond do
+      p.shape == {len} ->
+        p
+
+      p.shape == {batch, len} and Nx.rank(x) >= 3 and seq_axis != 0 ->
+        p
+
+      true ->
+        raise ArgumentError,
+              "Moat.Fast.rope: :positions must have shape {#{len}} or {#{batch}, #{len}} (one row per batch, " <>
+                "with :seq_axis not 0), got #{inspect(p.shape)}"
+    end
+  end
+
+  defp positions!(positions, offset, _x, _seq_axis) do
+    raise ArgumentError,
+          "Moat.Fast.rope: :positions must be an integer tensor and comes instead of :offset, got " <>
+            "positions #{inspect(positions)} with offset #{inspect(offset)}"
   end
 
   defp offsets!(offset, _x, _seq_axis) when is_integer(offset) and offset >= 0 and offset < 2_147_483_648, do: nil
@@ -215,9 +257,15 @@ defmodule Moat.Fast do
         else: Nx.exp(Nx.multiply(Nx.iota({half}, type: c), -:math.log(r.base) / half))
 
     # Positions {P, T}: P is 1, or the batch with per-batch offsets.
-    start = if offsets, do: Nx.as_type(offsets, c), else: r.offset
-    start = if is_struct(start) and Nx.rank(start) == 1, do: Nx.reshape(start, {:auto, 1}), else: start
-    positions = Nx.multiply(Nx.add(Nx.iota({1, len}, type: c), start), r.scale)
+    positions =
+      if r.positions do
+        offsets |> Nx.as_type(c) |> Nx.reshape({:auto, len}) |> Nx.multiply(r.scale)
+      else
+        start = if offsets, do: Nx.as_type(offsets, c), else: r.offset
+        start = if is_struct(start) and Nx.rank(start) == 1, do: Nx.reshape(start, {:auto, 1}), else: start
+        Nx.multiply(Nx.add(Nx.iota({1, len}, type: c), start), r.scale)
+      end
+
     per = elem(positions.shape, 0)
     theta = Nx.multiply(Nx.reshape(positions, {per, len, 1}), Nx.reshape(inv_freqs, {1, 1, half}))
     # {P, T, half} placed at the batch, sequence and feature axes, 1 elsewhere.

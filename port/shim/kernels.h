@@ -45,6 +45,10 @@ struct Rows {
   void (*attend)(Storage st, const void* q, const void* k, size_t ks, const void* v, size_t vs, size_t d,
                  size_t dv, size_t lo, size_t hi, float scale, bool has_sink, float sink, float* scratch,
                  float* acc, void* out);
+  // sum_i a[i] * b[i] over n elements, in f32 (matvec.cpp's rows of x . w^T).
+  float (*dot)(Storage st, const void* a, const void* b, size_t n);
+  // acc[i] += a * x[i] over n elements (matvec.cpp's rows of x . w).
+  void (*axpy)(Storage st, float a, const void* x, float* acc, size_t n);
 };
 
 // The selected set's row kernels, or null when MLX's own kernels are to run

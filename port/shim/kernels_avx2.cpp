@@ -114,7 +114,7 @@ float hsum(V v) {
 
 }  // namespace
 
-const Rows rows_avx2 = {rms_norm_row, attend_row};
+const Rows rows_avx2 = {rms_norm_row, attend_row, dot_row, axpy_row};
 
 void run_avx2(Op op, Storage st, const void* a, const void* b, void* out, size_t n) { run(op, st, a, b, out, n); }
 

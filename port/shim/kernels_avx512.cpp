@@ -115,7 +115,7 @@ float hsum(V v) { return _mm512_reduce_add_ps(v); }
 
 }  // namespace
 
-const Rows rows_avx512 = {rms_norm_row, attend_row};
+const Rows rows_avx512 = {rms_norm_row, attend_row, dot_row, axpy_row};
 
 void run_avx512(Op op, Storage st, const void* a, const void* b, void* out, size_t n) { run(op, st, a, b, out, n); }
 

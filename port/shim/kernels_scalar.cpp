@@ -103,6 +103,10 @@ float dot_row(Storage st, const void* a, const void* b, size_t n) {
 
 size_t esize(Storage st) { return st == F32 ? 4 : 2; }
 
+void axpy_row(Storage st, float a, const void* x, float* acc, size_t n) {
+  for (size_t i = 0; i < n; ++i) acc[i] = std::fma(a, load(st, x, i), acc[i]);
+}
+
 void rms_norm_row(Storage st, const void* x, const void* w, void* out, size_t n, float eps) {
   float r = 1.0f / std::sqrt(dot_row(st, x, x, n) / static_cast<float>(n) + eps);
   for (size_t i = 0; i < n; ++i) {
@@ -136,7 +140,7 @@ void attend_row(Storage st, const void* q, const void* k, size_t ks, const void*
 
 }  // namespace
 
-const Rows rows_scalar = {rms_norm_row, attend_row};
+const Rows rows_scalar = {rms_norm_row, attend_row, dot_row, axpy_row};
 
 void run_scalar(Op op, Storage st, const void* a, const void* b, void* out, size_t n) {
   if (op == POW_SCALAR) return pow_scalar(st, a, b, out, n);

@@ -241,6 +241,10 @@ int moat_slice_update_dynamic(const moat_array* src, const moat_array* update,
 
 // -- linear algebra (linalg.cpp)
 int moat_matmul(const moat_array* a, const moat_array* b, moat_array** out);
+// x {M, K} . w^T for w {N, K}, or x . w for w {K, N} when transposed; both of
+// one float type, accumulated in f32. On the CPU with M <= 16: one pass over
+// w in its own storage (matvec.cpp); otherwise MLX's matmul.
+int moat_matvec(const moat_array* x, const moat_array* w, int transposed, moat_array** out);
 // Decompositions run on the CPU stream (MLX has no GPU kernels for them).
 // outs[] receives the listed factors in order.
 int moat_qr(const moat_array* a, moat_array** outs /* q, r */);

@@ -210,6 +210,54 @@ defmodule Moat.FastTest do
     end
   end
 
+  describe "rope with position ids" do
+    # Positions {T} equal to offset + iota give the offset form's result;
+    # {B, T} rows (left padding, packed sequences) give each batch its own,
+    # checked against per-batch ropes of one position each. On Moat this is
+    # the reference composition (MLX has no position-id kernel), compiled too.
+    test "match the offset form, per batch and per position" do
+      x = random(7, {2, 3, 5, 8})
+      positions = Nx.tensor([[4, 0, 9, 2, 2], [0, 1, 2, 3, 4]])
+
+      for backend <- [&Function.identity/1, &moat/1] do
+        got = Fast.rope(backend.(x), 8, positions: backend.(Nx.iota({5}) |> Nx.add(3)))
+        assert_all_close!(Nx.backend_transfer(got), Fast.rope(x, 8, offset: 3), 1.0e-5)
+
+        got = Fast.rope(backend.(x), 6, positions: backend.(positions)) |> Nx.backend_transfer()
+
+        for b <- 0..1, t <- 0..4 do
+          p = Nx.to_number(positions[b][t])
+          one = Fast.rope(Nx.slice(x, [b, 0, t, 0], [1, 3, 1, 8]), 6, offset: p)
+          assert_all_close!(Nx.slice(got, [b, 0, t, 0], [1, 3, 1, 8]), one, 1.0e-5)
+        end
+      end
+
+      jit = Nx.Defn.jit(&Fast.rope(&1, 6, positions: &2, seq_axis: 2), compiler: Moat.Compiler)
+
+      assert_all_close!(
+        Nx.backend_transfer(jit.(moat(x), moat(positions))),
+        Fast.rope(x, 6, positions: positions),
+        1.0e-5
+      )
+    end
+
+    test "bad position ids are refused" do
+      x = random(1, {2, 3, 5, 8})
+
+      assert_raise ArgumentError, ~r/rope: :positions must have shape \{5\} or \{2, 5\}/, fn ->
+        Fast.rope(x, 4, positions: Nx.iota({4}))
+      end
+
+      assert_raise ArgumentError, ~r/rope: :positions must be an integer tensor and comes instead of :offset/, fn ->
+        Fast.rope(x, 4, positions: Nx.iota({5}), offset: 2)
+      end
+
+      assert_raise ArgumentError, ~r/rope: :positions must be an integer tensor/, fn ->
+        Fast.rope(x, 4, positions: Nx.iota({5}, type: :f32))
+      end
+    end
+  end
+
   describe "gradients flow through the reference" do
     # A directional finite difference in f64 checks Nx.Defn.grad of each
     # kernel (it differentiates the reference composition); then the same

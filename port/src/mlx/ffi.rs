@@ -353,6 +353,12 @@ extern "C" {
 
     // -- linear algebra
     pub fn moat_matmul(a: *const moat_array, b: *const moat_array, out: *mut *mut moat_array) -> c_int;
+    pub fn moat_matvec(
+        x: *const moat_array,
+        w: *const moat_array,
+        transposed: c_int,
+        out: *mut *mut moat_array,
+    ) -> c_int;
     pub fn moat_qr(a: *const moat_array, outs: *mut *mut moat_array) -> c_int;
     pub fn moat_svd(a: *const moat_array, outs: *mut *mut moat_array) -> c_int;
     pub fn moat_eigh(a: *const moat_array, outs: *mut *mut moat_array) -> c_int;

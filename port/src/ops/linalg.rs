@@ -51,6 +51,9 @@ pub fn dot(x: &[&Array], a: &Term) -> Outputs {
     let (m_dims, n_dims) = (dims(&ls, &fa)?, dims(&rs, &fb)?);
     let size = |d: &[i32]| i32::try_from(count(d)).map_err(|_| format!("dot: {d:?} has too many elements"));
     let (b, m, k, n) = (size(&batch)?, size(&m_dims)?, size(&k_dims)?, size(&n_dims)?);
+    if let Some(product) = rows_by_matrix(&l, &r, (&fa, &ca, &ba), (&fb, &cb, &bb), (m, k, n))? {
+        return finish(ops::reshape(&product, &[m_dims, n_dims].concat()), a);
+    }
     let l3 = ops::reshape(&ops::transpose(&l, &[ba, fa, ca].concat())?, &[b, m, k])?;
     let r3 = ops::reshape(&ops::transpose(&r, &[bb, cb, fb].concat())?, &[b, k, n])?;
     let product = match l.dtype() {
@@ -63,6 +66,38 @@ pub fn dot(x: &[&Array], a: &Term) -> Outputs {
         _ => ops::matmul(&l3, &r3)?,
     };
     finish(ops::reshape(&product, &[batch, m_dims, n_dims].concat()), a)
+}
+
+/// Rows that decode a transformer, `x {M, K}` by a weight `{N, K}` (or
+/// `{K, N}`) with M <= 16, on the CPU: one pass over the weight in its own
+/// storage (the shim's matvec), where sgemm would pack it first and half
+/// floats would be copied to f32. `None` when the product is not of that form.
+fn rows_by_matrix(
+    l: &Array,
+    r: &Array,
+    (fa, ca, ba): (&[i32], &[i32], &[i32]),
+    (fb, cb, bb): (&[i32], &[i32], &[i32]),
+    (m, k, n): (i32, i32, i32),
+) -> Result<Option<Array>> {
+    let floating = matches!(l.dtype(), Dtype::F32 | Dtype::F16 | Dtype::Bf16);
+    let in_order = |axes: &[i32]| axes.iter().enumerate().all(|(i, &a)| a == i as i32);
+    if crate::mlx::on_gpu() || !floating || r.dtype() != l.dtype() || m > 16 || !ba.is_empty() || !bb.is_empty() {
+        return Ok(None);
+    }
+    // x's free axes then its contracted ones; the weight's free axes then
+    // its contracted ones ({N, K}) or the other way round ({K, N}).
+    if !in_order(&[fa, ca].concat()) {
+        return Ok(None);
+    }
+    let transposed = if in_order(&[fb, cb].concat()) {
+        false
+    } else if in_order(&[cb, fb].concat()) {
+        true
+    } else {
+        return Ok(None);
+    };
+    let w = ops::reshape(r, &if transposed { [k, n] } else { [n, k] })?;
+    Ok(Some(ops::matvec(&ops::reshape(l, &[m, k])?, &w, transposed)?))
 }
 
 /// `a @ b` for integer arrays, wrapping like Nx's integer arithmetic.

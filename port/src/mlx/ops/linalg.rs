@@ -9,6 +9,14 @@ binary! {
     solve => moat_solve,
 }
 
+/// `x {M, K} . w^T` for `w {N, K}` (or `x . w` for `w {K, N}` when
+/// `transposed`), one float type, accumulated in f32; one pass over `w` on
+/// the CPU for M <= 16.
+pub fn matvec(x: &Array, w: &Array, transposed: bool) -> Result<Array> {
+    // SAFETY: both inputs are live arrays borrowed for the call.
+    Array::from_call(|out| unsafe { ffi::moat_matvec(x.raw(), w.raw(), transposed.into(), out) })
+}
+
 /// Runs a shim call that fills `N` outputs.
 fn factors<const N: usize>(f: impl FnOnce(*mut *mut ffi::moat_array) -> std::os::raw::c_int) -> Result<[Array; N]> {
     let mut raw = [ptr::null_mut(); N];

@@ -369,49 +369,18 @@ defmodule Moat.Backend do
 
   def to_binary(%T{type: {_, bits}} = tensor, limit) do
     binary =
-      cond do
-        # The values are here (see `host`): no round trip.
-        host_readable?(tensor) ->
-          tensor.data.host
-
-        limit < Nx.size(tensor) ->
-          # Only the first `limit` elements leave the worker.
-          flat = reshape(%{tensor | shape: {Nx.size(tensor)}}, tensor)
-          head = slice(%{flat | shape: {limit}}, flat, [0], [limit], [1])
-          read_and_release([flat, head])
-
-        true ->
-          read(tensor)
+      if limit < Nx.size(tensor) do
+        # Only the first `limit` elements leave the worker.
+        flat = reshape(%{tensor | shape: {Nx.size(tensor)}}, tensor)
+        head = slice(%{flat | shape: {limit}}, flat, [0], [limit], [1])
+        read_and_release([flat, head])
+      else
+        read(tensor)
       end
 
     size = min(bit_size(binary), limit * bits)
     <<head::bitstring-size(size), _::bitstring>> = binary
     head
-  end
-
-  # Whether a read may take the tensor's `host` bytes: a type MLX has, and a
-  # handle of its worker's running incarnation, not deallocated. Any other
-  # handle takes the round trip, which raises as it should. The reader must
-  # be a creator its worker's releaser knows (Moat.Client announces them
-  # under this key), so that its garbage is collected when it goes idle: a
-  # process that only reads handles others made takes the round trip, which
-  # announces it.
-  defp host_readable?(%T{type: type, shape: shape, data: %__MODULE__{host: host, ref: %Ref{worker: worker} = ref}})
-       when is_binary(host) and type not in @emulated do
-    inc = ref.incarnation
-
-    bit_size(host) == elem(type, 1) * Nx.size(shape) and Process.get({Moat.Releaser, worker}) != nil and
-      match?(%{incarnation: ^inc}, Client.conn(worker)) and not released?(ref.token)
-  end
-
-  defp host_readable?(_tensor), do: false
-
-  defp released?(nil), do: false
-
-  defp released?(token) do
-    Moat.Finalizer.released?(token)
-  rescue
-    ArgumentError -> false
   end
 
   defp read_and_release(tensors, read \\ &read/1) do
@@ -601,8 +570,7 @@ defmodule Moat.Backend do
 
   for name <- @binary_ops do
     @impl true
-    def unquote(name)(out, a, b),
-      do: op(out, unquote(name), [a, b], %{type: out.type}) |> with_host(unquote(name), [a, b])
+    def unquote(name)(out, a, b), do: op(out, unquote(name), [a, b], %{type: out.type})
   end
 
   # Nx.BinaryBackend raises at the call on a negative shift amount and on a
@@ -663,50 +631,8 @@ defmodule Moat.Backend do
     @impl true
     def unquote(name)(out, a, b) do
       op(out, unquote(name), [a, b], %{type: out.type, input_type: Nx.Type.merge(a.type, b.type)})
-      |> with_host(unquote(name), [a, b])
     end
   end
-
-  # Integer ops whose results Nx.BinaryBackend and MLX compute bit for bit
-  # alike (integers wrap on both; no rounding, no errors).
-  @host_ops [:add, :subtract, :multiply, :min, :max, :bitwise_and, :bitwise_or, :bitwise_xor] ++
-              [:logical_and, :logical_or, :logical_xor] ++ @comparison_ops
-
-  # When every input's values are here (see `host`), one of @host_ops on
-  # integers is computed here as well, and the result keeps its bytes: a
-  # later read of it (a `while` condition in Nx.Defn.Evaluator, a loop
-  # counter's `Nx.to_number`) takes no round trip. The op still goes to the
-  # worker, which holds the tensor for everything else.
-  defp with_host(%T{data: %__MODULE__{ref: %Ref{}}} = result, name, inputs)
-       when name in @host_ops do
-    with true <- host_integer?(result.type) and Enum.all?(inputs, &host_integer?(&1.type)),
-         true <- Nx.size(result) * elem(result.type, 1) <= @host_bits,
-         [_ | _] = bits <- hosts(inputs, []) do
-      [a, b] = Enum.zip_with(inputs, bits, &%{&1 | data: %Nx.BinaryBackend{state: &2}})
-      %T{data: %Nx.BinaryBackend{state: host}} = apply(Nx.BinaryBackend, name, [result, a, b])
-      put_in(result.data.host, host)
-    else
-      _ -> result
-    end
-  end
-
-  defp with_host(result, _name, _inputs), do: result
-
-  defp host_integer?({kind, bits}) when kind in [:s, :u], do: bits >= 8 and not Types.emulated?({kind, bits})
-  defp host_integer?(_type), do: false
-
-  # Every input's bytes, or nil; bytes held for another type (Moat.Types
-  # retypes handles) do not count.
-  defp hosts([%T{type: {_, size}} = t | rest], acc) do
-    t_size = Nx.size(t)
-
-    case local(t) do
-      bits when is_bitstring(bits) and bit_size(bits) == size * t_size -> hosts(rest, [bits | acc])
-      _ -> nil
-    end
-  end
-
-  defp hosts([], acc), do: Enum.reverse(acc)
 
   ## Reductions, cumulative ops and sorting
 

@@ -167,48 +167,25 @@ pub struct Sealed {
 }
 
 impl Sealed {
-    /// A memory file holding `bytes` (at least one), sealed: a spare of
-    /// that size if one is ready (see `Spare`), else a new file; either way
-    /// a spare is then made for the next readback of this size.
+    /// A new memory file holding `bytes` (at least one), sealed.
     pub fn of(bytes: &[u8]) -> Result<Sealed, String> {
-        let len = bytes.len();
-        let file = match budget::take_kept::<Spare>(len) {
-            Some(Spare(file)) => file,
-            None => {
-                Kept::new(sys::memory_file(c"moat-readback").map_err(|e| format!("cannot create a sealed file: {e}"))?)
-            }
-        };
+        use std::os::unix::fs::FileExt;
+        let file = sys::memory_file(c"moat-readback").map_err(|e| format!("cannot create a sealed file: {e}"))?;
         // One copy, by write(2): the kernel fills fresh pages without
-        // zeroing them first, as a fault through a mapping would. Large
-        // copies are split between two threads.
-        let write = |at: usize, part: &[u8]| {
-            use std::os::unix::fs::FileExt;
-            file.0
-                .write_all_at(part, at as u64)
-                .map_err(|e| format!("cannot fill a sealed file of {len} bytes: {e}"))
-        };
-        if len >= SPLIT_BYTES {
-            let (head, tail) = bytes.split_at(len / 2);
-            std::thread::scope(|s| {
-                let other = s.spawn(|| write(head.len(), tail));
-                let here = write(0, head);
-                other
-                    .join()
-                    .unwrap_or_else(|_| Err("a copying thread panicked".into()))
-                    .and(here)
-            })?;
-        } else {
-            write(0, bytes)?;
-        }
+        // zeroing them first, as a fault through a mapping would.
+        file.write_all_at(bytes, 0)
+            .map_err(|e| format!("cannot fill a sealed file of {} bytes: {e}", bytes.len()))?;
         #[cfg(feature = "fault-injection")]
         let seal = !crate::fault::leave_unsealed();
         #[cfg(not(feature = "fault-injection"))]
         let seal = true;
         if seal {
-            sys::seal_contents(&file.0).map_err(|e| format!("cannot seal a readback file: {e}"))?;
+            sys::seal_contents(&file).map_err(|e| format!("cannot seal a readback file: {e}"))?;
         }
-        Spare::prepare(len);
-        Ok(Sealed { file, len })
+        Ok(Sealed {
+            file: Kept::new(file),
+            len: bytes.len(),
+        })
     }
 
     /// Whether another sealed copy may be kept as cache: memory files kept
@@ -238,44 +215,6 @@ impl Sealed {
             ("inode", Term::int(inode)),
             ("path", Term::Binary(path.into_bytes())),
         ])
-    }
-}
-
-/// Readbacks from this size on are copied by two threads.
-const SPLIT_BYTES: usize = 8 << 20;
-
-/// A memory file with its pages in place, not sealed yet, made in the
-/// background after a sealed readback for the next readback of the same
-/// size: most of a copy into fresh pages is the kernel allocating and
-/// clearing them (docs/latency.md), and here that happens before the
-/// readback is asked for. It is kept as cache (`budget::keep`); sizes
-/// above `Spare::MAX_BYTES` get none.
-struct Spare(Kept);
-
-/// Whether a spare is being made (one at a time).
-static PREPARING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-
-impl Spare {
-    const MAX_BYTES: usize = 256 << 20;
-
-    /// Starts making a spare of `len` bytes, unless one is being made, it
-    /// is too large, or it does not fit the memory limit.
-    fn prepare(len: usize) {
-        if len > Spare::MAX_BYTES || budget().admit(len).is_err() || PREPARING.swap(true, Ordering::AcqRel) {
-            return;
-        }
-        let since = budget::cleared();
-        let made = std::thread::Builder::new().name("moat-spare".into()).spawn(move || {
-            let file = sys::memory_file(c"moat-spare").and_then(|file| sys::allocate(&file, len).map(|()| file));
-            match file {
-                Ok(file) => budget::keep_unless_cleared(since, len, Spare(Kept::new(file))),
-                Err(e) => log::debug!("no spare readback file of {len} bytes: {e}"),
-            }
-            PREPARING.store(false, Ordering::Release);
-        });
-        if made.is_err() {
-            PREPARING.store(false, Ordering::Release);
-        }
     }
 }
 

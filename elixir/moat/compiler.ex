@@ -33,6 +33,11 @@ defmodule Moat.Compiler do
     * `while`: the loop runs in the worker, which evaluates the condition
       (and each iteration's state) itself, with no round trip per iteration;
     * `cond`: the worker evaluates the predicates and runs the chosen branch;
+    * hooks (`hook/3`, `print_value/2`, tokens) outside control flow: the
+      hooked values are extra outputs of the program, and after the call's
+      frame is sent the hook functions run in the caller, in the
+      evaluator's order, on handles of those outputs; the program never
+      stops for them (reading a value waits for it, as any readback);
     * tensors the graph captures (literals, tensors of a closure) become
       extra inputs of the program, copied into the worker at each call when
       they live elsewhere;
@@ -45,7 +50,8 @@ defmodule Moat.Compiler do
   A graph that holds a node a program cannot run — a user function
   (`Nx.reduce/4`, `Nx.window_reduce/5`), an op that Moat.Backend runs on
   Nx.BinaryBackend (convolutions of more than 3 spatial axes, complex
-  `triangular_solve`), `hook`/tokens (`print_value`, `print_expr`) or
+  `triangular_solve`), a hook (`hook`, `print_value`, tokens) inside a
+  `while` body, a `cond` branch or a block's default implementation, or
   `runtime_call` — runs as a whole through `Nx.Defn.Evaluator` on
   `Moat.Backend`, after emitting `[:moat, :compiler, :fallback]` telemetry
   (metadata `:op`), or raises with `on_unsupported: :raise`. Its results
@@ -63,7 +69,8 @@ defmodule Moat.Compiler do
       `mlx::core::compile`, which fuses element-wise chains into single
       kernels (default `false`; see "Fusion")
     * `:max_concurrency` - partitions for `Nx.Serving` (default 1)
-    * `:hooks` - hooks, for graphs that fall back to the evaluator
+    * `:hooks` - a map of functions overriding named hooks, as for
+      `Nx.Defn.Evaluator`
 
   ## Fusion
 
@@ -122,17 +129,33 @@ defmodule Moat.Compiler do
     # Quantized arguments are lowered as such (Moat.Quantized).
     quant = quantized(hd(args_list))
     lowered_key = {key, templates(vars), quant, opts}
-    compiled = Cache.lowered(lowered_key, fn -> build(vars, fun, Keyword.put(opts, :quant, quant)) end)
-    source = fn -> Cache.source(lowered_key) end
-    Enum.map(args_list, &run(compiled, &1, source))
+
+    case Cache.lowered(lowered_key, fn -> build(vars, fun, Keyword.put(opts, :quant, quant)) end) do
+      %{kind: :evaluator} = c ->
+        # Built again per call, as Nx.Defn.Evaluator does: the cache keeps
+        # no expression (an ETS copy of a graph loses its sharing, so a
+        # gradient's graph grows exponentially there).
+        evaluate(c, Nx.Defn.Evaluator.__compile__(key, vars, fun, c.opts), args_list)
+
+      compiled ->
+        source = fn -> Cache.source(lowered_key) end
+        Enum.map(args_list, &run(compiled, &1, source))
+    end
   end
 
   @impl true
-  def __compile__(_key, vars, fun, opts) do
+  def __compile__(key, vars, fun, opts) do
     opts = options(opts)
-    {compiled, program} = build(vars, fun, opts)
-    source = fn -> program end
-    fn args_list -> Enum.map(args_list, &run(compiled, &1, source)) end
+
+    case build(vars, fun, opts) do
+      {%{kind: :evaluator} = c, nil} ->
+        evaluator = Nx.Defn.Evaluator.__compile__(key, vars, fun, c.opts)
+        &evaluate(c, evaluator, &1)
+
+      {compiled, program} ->
+        source = fn -> program end
+        fn args_list -> Enum.map(args_list, &run(compiled, &1, source)) end
+    end
   end
 
   defp options(opts) do
@@ -174,8 +197,8 @@ defmodule Moat.Compiler do
       output = Composite.traverse(result, &Nx.to_template/1)
       Cache.count_lowering()
 
-      case Lower.lower(expr, Keyword.get(opts, :quant, %{})) do
-        {:ok, program, used, captures} ->
+      case Lower.lower(expr, Keyword.get(opts, :quant, %{}), Keyword.get(opts, :hooks, %{})) do
+        {:ok, program, used, captures, hooks} ->
           program = if opts[:fuse] == true, do: Map.put(program, :fuse, true), else: program
 
           compiled = %{
@@ -186,6 +209,7 @@ defmodule Moat.Compiler do
             captures: captures,
             output: output,
             outputs: length(program.outputs),
+            hooks: hooks,
             worker: opts[:worker],
             device: opts[:device]
           }
@@ -194,7 +218,7 @@ defmodule Moat.Compiler do
           {{compiled, program}, %{cache: cache, program_size: size(program.steps), fallback: nil}}
 
         {:unsupported, op} ->
-          {{fallback(op, vars, result, opts), nil}, %{cache: :miss, program_size: 0, fallback: op}}
+          {{fallback(op, opts), nil}, %{cache: :miss, program_size: 0, fallback: op}}
       end
     end)
   end
@@ -212,7 +236,7 @@ defmodule Moat.Compiler do
     end)
   end
 
-  defp fallback(op, vars, result, opts) do
+  defp fallback(op, opts) do
     if opts[:on_unsupported] == :raise do
       raise ArgumentError,
             "Moat.Compiler: #{op} cannot run in a program (on_unsupported: :raise); " <>
@@ -221,17 +245,14 @@ defmodule Moat.Compiler do
 
     :telemetry.execute([:moat, :compiler, :fallback], %{}, %{op: op, worker: opts[:worker]})
     Cache.count(:fallback)
-    evaluator_opts = Keyword.take(opts, [:hooks])
-    fun = Nx.Defn.Evaluator.__compile__(nil, vars, fn _vars -> result end, evaluator_opts)
-    %{kind: :evaluator, fun: fun, worker: opts[:worker], device: opts[:device]}
+    %{kind: :evaluator, opts: Keyword.take(opts, [:hooks]), worker: opts[:worker], device: opts[:device]}
   end
 
   ## Running
 
-  defp run(%{kind: :evaluator, fun: fun} = c, args, _source) do
+  defp evaluate(c, evaluator, args_list) do
     Nx.with_default_backend({Moat.Backend, worker: c.worker, device: c.device}, fn ->
-      [result] = fun.([args])
-      result
+      Enum.map(args_list, fn args -> hd(evaluator.([args])) end)
     end)
   end
 
@@ -250,12 +271,24 @@ defmodule Moat.Compiler do
 
     for {m, t} <- Enum.zip(moved, tensors), m != t, do: Nx.backend_deallocate(m)
 
-    {result, []} =
-      Composite.traverse(c.output, refs, fn template, [ref | rest] ->
-        {%{template | data: %Moat.Backend{ref: ref, device: c.device}}, rest}
+    {result, refs} = fill(c.output, refs, c.device)
+
+    # The hooks' values are the program's last outputs: each function gets
+    # its handles once the call is sent (reading one waits for the program).
+    [] =
+      Enum.reduce(c.hooks, refs, fn {fun, template, _count}, refs ->
+        {value, rest} = fill(template, refs, c.device)
+        fun.(value)
+        rest
       end)
 
     result
+  end
+
+  defp fill(templates, refs, device) do
+    Composite.traverse(templates, refs, fn template, [ref | rest] ->
+      {%{template | data: %Moat.Backend{ref: ref, device: device}}, rest}
+    end)
   end
 
   # A quantized argument the program was not lowered for is dequantized.

@@ -314,6 +314,14 @@ defmodule Moat.CompilerTest do
       a = random({4, 3}, 1)
       assert_same(jit(&C.gathers/2, fuse: true).(a, t([2, 0])), evaluate(&C.gathers/2).(a, t([2, 0])))
       assert_same(jit(&C.while_tuple/1, fuse: true).(t([1.0, 2.0])), evaluate(&C.while_tuple/1).(t([1.0, 2.0])))
+
+      for n <- [0, 1, 2, 15, 16, 17, 40] do
+        assert_same(
+          jit(&C.count_to/2, fuse: true).(t([1.0, -2.0]), t(n)),
+          evaluate(&C.count_to/2).(t([1.0, -2.0]), t(n))
+        )
+      end
+
       error = assert_raise Moat.Error, fn -> jit(&Nx.take(&1, &2), fuse: true).(a, t([9])) |> Nx.to_binary() end
       assert error.op == :take
     end

@@ -34,6 +34,14 @@ defmodule Moat.CompilerCorpus do
 
   defn(sorting(a), do: {Nx.sort(a, axis: 1), Nx.argsort(a, axis: 1, direction: :desc), Nx.top_k(a, k: 2)})
 
+  # A loop of `n` iterations (a fused call runs several: the state must
+  # stop at the right one).
+  defn count_to(x, n) do
+    while {i = 0, acc = x, n}, i < n do
+      {i + 1, acc * 0.75 + i, n}
+    end
+  end
+
   defn while_tuple(x) do
     {_i, acc, n} =
       while {i = 0, acc = x, n = 0.0}, i < 1000 do

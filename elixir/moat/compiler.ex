@@ -126,11 +126,9 @@ defmodule Moat.Compiler do
   @impl true
   def __jit__(key, vars, fun, args_list, opts) do
     opts = options(opts)
-    # Quantized arguments are lowered as such (Moat.Quantized).
-    quant = quantized(hd(args_list))
-    lowered_key = {key, templates(vars), quant, opts}
+    plain = {key, templates(vars), %{}, opts}
 
-    case Cache.lowered(lowered_key, fn -> build(vars, fun, Keyword.put(opts, :quant, quant)) end) do
+    case lowered(plain, fn -> build(vars, fun, opts) end) do
       %{kind: :evaluator} = c ->
         # Built again per call, as Nx.Defn.Evaluator does: the cache keeps
         # no expression (an ETS copy of a graph loses its sharing, so a
@@ -138,8 +136,20 @@ defmodule Moat.Compiler do
         evaluate(c, Nx.Defn.Evaluator.__compile__(key, vars, fun, c.opts), args_list)
 
       compiled ->
-        source = fn -> Cache.source(lowered_key) end
-        Enum.map(args_list, &run(compiled, &1, source))
+        # Quantized arguments are lowered as such (Moat.Quantized); only
+        # the arguments the graph uses are read (a lazy container's other
+        # fields must not be).
+        {lowered_key, compiled} =
+          case quantized(compiled.used, hd(args_list)) do
+            none when none == %{} ->
+              {plain, compiled}
+
+            quant ->
+              key = put_elem(plain, 2, quant)
+              {key, lowered(key, fn -> build(vars, fun, Keyword.put(opts, :quant, quant)) end)}
+          end
+
+        Enum.map(args_list, &run(compiled, &1, source(compiled, lowered_key)))
     end
   end
 
@@ -158,6 +168,22 @@ defmodule Moat.Compiler do
     end
   end
 
+  # The lowered function under `key` in the cache, or, when `key` is too
+  # large to hash (a closure holding a big or shared term: ETS hashes it
+  # whole, without yielding, and a graph's sharing makes that exponential),
+  # built per call, as Nx.Defn.Evaluator does.
+  defp lowered(key, build) do
+    if Cache.hashable?(key) do
+      Cache.lowered(key, build)
+    else
+      {compiled, program} = build.()
+      Map.put(compiled, :program, program)
+    end
+  end
+
+  defp source(%{program: program}, _key), do: fn -> program end
+  defp source(_compiled, key), do: fn -> Cache.source(key) end
+
   defp options(opts) do
     opts = Keyword.take(opts, [:worker, :device, :on_unsupported, :max_concurrency, :hooks, :fuse])
     opts = Keyword.merge([worker: Moat.Worker, device: nil, on_unsupported: :evaluate, fuse: false], opts)
@@ -170,8 +196,9 @@ defmodule Moat.Compiler do
     opts
   end
 
-  defp quantized(args) do
-    for {arg, pos} <- Enum.with_index(args), q = Moat.Quantized.info(arg.()), into: %{}, do: {pos, q}
+  defp quantized(used, args) do
+    args = List.to_tuple(args)
+    for pos <- used, q = Moat.Quantized.info(elem(args, pos).()), into: %{}, do: {pos, q}
   end
 
   # The arguments' containers (tuples, map keys) with each tensor's shape,

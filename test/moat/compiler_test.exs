@@ -210,6 +210,25 @@ defmodule Moat.CompilerTest do
     for {_key, compiled, _tick} <- entries, do: assert(:erts_debug.flat_size(compiled) < 2_000)
   end
 
+  test "a closure too large to hash as a cache key is lowered per call" do
+    # ETS hashes a key whole without yielding (and blind to sharing: an
+    # expression a closure holds can make that exponential); such a function
+    # is not cached.
+    big = Enum.to_list(1..200_000)
+    fun = jit(fn x -> Nx.add(x, length(big)) end)
+    lowerings = Moat.compiler_info().lowerings
+    assert Nx.to_number(fun.(t(1))) == 200_001
+    assert Nx.to_number(fun.(t(2))) == 200_002
+    assert Moat.compiler_info().lowerings == lowerings + 2
+    refute Moat.Compiler.Cache.hashable?({fun, :key})
+    assert Moat.Compiler.Cache.hashable?({&C.mlp/5, :key})
+  end
+
+  test "a lazy container's argument the graph does not use is never read" do
+    fun = jit(fn %C.Wrapped{a: a} -> Nx.add(a, 1) end)
+    assert Nx.to_number(fun.(%C.Lazy{a: t(1.0), b: t(2.0)})) == 2.0
+  end
+
   test "arguments of the same tensors in other containers lower apart" do
     id = jit(& &1)
     assert %Nx.Tensor{} = id.(t(1))

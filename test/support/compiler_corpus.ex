@@ -106,3 +106,24 @@ defmodule Moat.CompilerCorpus do
     x
   end
 end
+
+defmodule Moat.CompilerCorpus.Wrapped do
+  @moduledoc false
+  @derive {Nx.Container, containers: [:a, :b]}
+  defstruct [:a, :b]
+end
+
+defmodule Moat.CompilerCorpus.Lazy do
+  @moduledoc false
+  # A lazy container whose `b` must not be read unless the graph uses it
+  # (here, in test/support, as protocols are consolidated).
+  defstruct [:a, :b]
+
+  defimpl Nx.LazyContainer do
+    def traverse(%{a: a, b: b}, acc, fun) do
+      {a, acc} = fun.(Nx.to_template(a), fn -> a end, acc)
+      {b, acc} = fun.(Nx.to_template(b), fn -> raise "b was read" end, acc)
+      {%Moat.CompilerCorpus.Wrapped{a: a, b: b}, acc}
+    end
+  end
+end

@@ -80,13 +80,15 @@ defmodule Moat.Compiler do
   later runs and processes). Without `g++` programs run unfused, with a
   warning in the worker's log. A straight-line program is compiled whole; in
   one with control flow, each `while` loop whose condition and body are
-  straight-line compiles its iteration (body, then the next condition). Ops
-  that evaluate while they are built (indexing, integer division: their
-  checks read values) keep their part unfused, as do `cond` branches. Fused results may differ from the
-  evaluator's in the last bits of float math; unfused ones are equal bit for
-  bit. Off by default: in `bin/bench`, a 102-op element-wise chain ran 3–10×
-  faster fused, the MLP and a small while loop about as fast, and the first
-  call of a new kernel costs seconds.
+  straight-line compiles 16 iterations as one call (after the first, each
+  iteration's state is kept only while the condition still holds, so the
+  loop ends on the same state). Ops that evaluate while they are built
+  (indexing, integer division: their checks read values) keep their part
+  unfused, as do `cond` branches. Fused results may differ from the
+  evaluator's in the last bits of float math; unfused ones are equal bit
+  for bit. Off by default: in `bin/bench`, a 102-op element-wise chain ran
+  3–10× faster fused and a small while loop 3×, the MLP about as fast, and
+  the first call of a new kernel costs seconds.
 
   ## Caches and restarts
 

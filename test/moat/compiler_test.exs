@@ -191,6 +191,11 @@ defmodule Moat.CompilerTest do
     assert_same(jit(&Nx.cos/1).(z), evaluate(&Nx.cos/1).(z))
     grad = fn x -> Nx.Defn.grad(x, &Nx.sum(Nx.cos(&1))) end
     assert_same(jit(grad).(z), evaluate(grad).(z))
+    # c128 math Moat.Types runs as f64 pairs (which reads its inputs' worker) too.
+    for fun <- [&Nx.sigmoid/1, &Nx.log1p/1, &Nx.acos/1] do
+      grad = fn x -> Nx.Defn.grad(x, &Nx.sum(fun.(&1))) end
+      assert_same(jit(grad).(z), evaluate(grad).(z))
+    end
   end
 
   test "a replay copies no expression out of the cache (a graph copied out of ETS loses its sharing)" do

@@ -19,6 +19,7 @@ defmodule Moat.Compiler.Lower do
   # Nodes with a user function or a side effect: these run on the evaluator
   # (`hook` only inside control flow, see apply_node(:hook, ...)).
   @unsupported [:fun, :token, :attach_token, :runtime_call, :reduce, :window_reduce]
+  @emulated Moat.Types.emulated()
 
   @doc """
   `{:ok, program, used_params, captures, hooks}` or `{:unsupported, op}`.
@@ -265,13 +266,17 @@ defmodule Moat.Compiler.Lower do
         true -> [t | args]
       end
 
-    # What Moat.Backend runs on Nx.BinaryBackend (c128 math MLX lacks)
-    # cannot be a step: the graph runs on the evaluator.
+    # What Moat.Backend runs on Nx.BinaryBackend (c128 math MLX lacks), or
+    # emulates over MLX types (c128, f8, sub-byte integers: Moat.Types,
+    # which reads its inputs' worker), cannot be a step: the graph runs on
+    # the evaluator.
     [out | rest] = args
-    if Moat.Types.route(op, out, rest) == :fallback, do: Recorder.unsupported!(op)
+    if Moat.Types.route(op, out, rest) == :fallback or emulated?(args), do: Recorder.unsupported!(op)
 
     apply(Moat.Backend, op, args)
   end
+
+  defp emulated?(args), do: Enum.any?(args, &match?(%T{type: type} when type in @emulated, &1))
 
   # As Nx.Defn.Evaluator resolves a hook's function.
   defp hook_fun({:fn, fun}, _hooks), do: fun

@@ -33,6 +33,11 @@ defmodule Moat.Compiler do
     * `while`: the loop runs in the worker, which evaluates the condition
       (and each iteration's state) itself, with no round trip per iteration;
     * `cond`: the worker evaluates the predicates and runs the chosen branch;
+    * hooks (`hook/3`, `print_value/2`, tokens) outside control flow: the
+      hooked values are extra outputs of the program, and after the call's
+      frame is sent the hook functions run in the caller, in the
+      evaluator's order, on handles of those outputs; the program never
+      stops for them (reading a value waits for it, as any readback);
     * tensors the graph captures (literals, tensors of a closure) become
       extra inputs of the program, copied into the worker at each call when
       they live elsewhere;
@@ -45,7 +50,8 @@ defmodule Moat.Compiler do
   A graph that holds a node a program cannot run — a user function
   (`Nx.reduce/4`, `Nx.window_reduce/5`), an op that Moat.Backend runs on
   Nx.BinaryBackend (convolutions of more than 3 spatial axes, complex
-  `triangular_solve`), `hook`/tokens (`print_value`, `print_expr`) or
+  `triangular_solve`), a hook (`hook`, `print_value`, tokens) inside a
+  `while` body, a `cond` branch or a block's default implementation, or
   `runtime_call` — runs as a whole through `Nx.Defn.Evaluator` on
   `Moat.Backend`, after emitting `[:moat, :compiler, :fallback]` telemetry
   (metadata `:op`), or raises with `on_unsupported: :raise`. Its results
@@ -63,7 +69,8 @@ defmodule Moat.Compiler do
       `mlx::core::compile`, which fuses element-wise chains into single
       kernels (default `false`; see "Fusion")
     * `:max_concurrency` - partitions for `Nx.Serving` (default 1)
-    * `:hooks` - hooks, for graphs that fall back to the evaluator
+    * `:hooks` - a map of functions overriding named hooks, as for
+      `Nx.Defn.Evaluator`
 
   ## Fusion
 
@@ -73,13 +80,15 @@ defmodule Moat.Compiler do
   later runs and processes). Without `g++` programs run unfused, with a
   warning in the worker's log. A straight-line program is compiled whole; in
   one with control flow, each `while` loop whose condition and body are
-  straight-line compiles its iteration (body, then the next condition). Ops
-  that evaluate while they are built (indexing, integer division: their
-  checks read values) keep their part unfused, as do `cond` branches. Fused results may differ from the
-  evaluator's in the last bits of float math; unfused ones are equal bit for
-  bit. Off by default: in `bin/bench`, a 102-op element-wise chain ran 3–10×
-  faster fused, the MLP and a small while loop about as fast, and the first
-  call of a new kernel costs seconds.
+  straight-line compiles 16 iterations as one call (after the first, each
+  iteration's state is kept only while the condition still holds, so the
+  loop ends on the same state). Ops that evaluate while they are built
+  (indexing, integer division: their checks read values) keep their part
+  unfused, as do `cond` branches. Fused results may differ from the
+  evaluator's in the last bits of float math; unfused ones are equal bit
+  for bit. Off by default: in `bin/bench`, a 102-op element-wise chain ran
+  3–10× faster fused and a small while loop 3×, the MLP about as fast, and
+  the first call of a new kernel costs seconds.
 
   ## Caches and restarts
 
@@ -119,21 +128,63 @@ defmodule Moat.Compiler do
   @impl true
   def __jit__(key, vars, fun, args_list, opts) do
     opts = options(opts)
-    # Quantized arguments are lowered as such (Moat.Quantized).
-    quant = quantized(hd(args_list))
-    lowered_key = {key, templates(vars), quant, opts}
-    compiled = Cache.lowered(lowered_key, fn -> build(vars, fun, Keyword.put(opts, :quant, quant)) end)
-    source = fn -> Cache.source(lowered_key) end
-    Enum.map(args_list, &run(compiled, &1, source))
+    plain = {key, templates(vars), %{}, opts}
+
+    case lowered(plain, fn -> build(vars, fun, opts) end) do
+      %{kind: :evaluator} = c ->
+        # Built again per call, as Nx.Defn.Evaluator does: the cache keeps
+        # no expression (an ETS copy of a graph loses its sharing, so a
+        # gradient's graph grows exponentially there).
+        evaluate(c, Nx.Defn.Evaluator.__compile__(key, vars, fun, c.opts), args_list)
+
+      compiled ->
+        # Quantized arguments are lowered as such (Moat.Quantized); only
+        # the arguments the graph uses are read (a lazy container's other
+        # fields must not be).
+        {lowered_key, compiled} =
+          case quantized(compiled.used, hd(args_list)) do
+            none when none == %{} ->
+              {plain, compiled}
+
+            quant ->
+              key = put_elem(plain, 2, quant)
+              {key, lowered(key, fn -> build(vars, fun, Keyword.put(opts, :quant, quant)) end)}
+          end
+
+        Enum.map(args_list, &run(compiled, &1, source(compiled, lowered_key)))
+    end
   end
 
   @impl true
-  def __compile__(_key, vars, fun, opts) do
+  def __compile__(key, vars, fun, opts) do
     opts = options(opts)
-    {compiled, program} = build(vars, fun, opts)
-    source = fn -> program end
-    fn args_list -> Enum.map(args_list, &run(compiled, &1, source)) end
+
+    case build(vars, fun, opts) do
+      {%{kind: :evaluator} = c, nil} ->
+        evaluator = Nx.Defn.Evaluator.__compile__(key, vars, fun, c.opts)
+        &evaluate(c, evaluator, &1)
+
+      {compiled, program} ->
+        source = fn -> program end
+        fn args_list -> Enum.map(args_list, &run(compiled, &1, source)) end
+    end
   end
+
+  # The lowered function under `key` in the cache, or, when `key` is too
+  # large to hash (a closure holding a big or shared term: ETS hashes it
+  # whole, without yielding, and a graph's sharing makes that exponential),
+  # built per call, as Nx.Defn.Evaluator does.
+  defp lowered(key, build) do
+    if Cache.hashable?(key) do
+      Cache.lowered(key, build)
+    else
+      {compiled, program} = build.()
+      Map.put(compiled, :program, program)
+    end
+  end
+
+  defp source(%{program: program}, _key), do: fn -> program end
+  defp source(_compiled, key), do: fn -> Cache.source(key) end
 
   defp options(opts) do
     opts = Keyword.take(opts, [:worker, :device, :on_unsupported, :max_concurrency, :hooks, :fuse])
@@ -147,8 +198,9 @@ defmodule Moat.Compiler do
     opts
   end
 
-  defp quantized(args) do
-    for {arg, pos} <- Enum.with_index(args), q = Moat.Quantized.info(arg.()), into: %{}, do: {pos, q}
+  defp quantized(used, args) do
+    args = List.to_tuple(args)
+    for pos <- used, q = Moat.Quantized.info(elem(args, pos).()), into: %{}, do: {pos, q}
   end
 
   # The arguments' containers (tuples, map keys) with each tensor's shape,
@@ -174,8 +226,8 @@ defmodule Moat.Compiler do
       output = Composite.traverse(result, &Nx.to_template/1)
       Cache.count_lowering()
 
-      case Lower.lower(expr, Keyword.get(opts, :quant, %{})) do
-        {:ok, program, used, captures} ->
+      case Lower.lower(expr, Keyword.get(opts, :quant, %{}), Keyword.get(opts, :hooks, %{})) do
+        {:ok, program, used, captures, hooks} ->
           program = if opts[:fuse] == true, do: Map.put(program, :fuse, true), else: program
 
           compiled = %{
@@ -186,6 +238,7 @@ defmodule Moat.Compiler do
             captures: captures,
             output: output,
             outputs: length(program.outputs),
+            hooks: hooks,
             worker: opts[:worker],
             device: opts[:device]
           }
@@ -194,7 +247,7 @@ defmodule Moat.Compiler do
           {{compiled, program}, %{cache: cache, program_size: size(program.steps), fallback: nil}}
 
         {:unsupported, op} ->
-          {{fallback(op, vars, result, opts), nil}, %{cache: :miss, program_size: 0, fallback: op}}
+          {{fallback(op, opts), nil}, %{cache: :miss, program_size: 0, fallback: op}}
       end
     end)
   end
@@ -212,7 +265,7 @@ defmodule Moat.Compiler do
     end)
   end
 
-  defp fallback(op, vars, result, opts) do
+  defp fallback(op, opts) do
     if opts[:on_unsupported] == :raise do
       raise ArgumentError,
             "Moat.Compiler: #{op} cannot run in a program (on_unsupported: :raise); " <>
@@ -221,17 +274,14 @@ defmodule Moat.Compiler do
 
     :telemetry.execute([:moat, :compiler, :fallback], %{}, %{op: op, worker: opts[:worker]})
     Cache.count(:fallback)
-    evaluator_opts = Keyword.take(opts, [:hooks])
-    fun = Nx.Defn.Evaluator.__compile__(nil, vars, fn _vars -> result end, evaluator_opts)
-    %{kind: :evaluator, fun: fun, worker: opts[:worker], device: opts[:device]}
+    %{kind: :evaluator, opts: Keyword.take(opts, [:hooks]), worker: opts[:worker], device: opts[:device]}
   end
 
   ## Running
 
-  defp run(%{kind: :evaluator, fun: fun} = c, args, _source) do
+  defp evaluate(c, evaluator, args_list) do
     Nx.with_default_backend({Moat.Backend, worker: c.worker, device: c.device}, fn ->
-      [result] = fun.([args])
-      result
+      Enum.map(args_list, fn args -> hd(evaluator.([args])) end)
     end)
   end
 
@@ -250,12 +300,24 @@ defmodule Moat.Compiler do
 
     for {m, t} <- Enum.zip(moved, tensors), m != t, do: Nx.backend_deallocate(m)
 
-    {result, []} =
-      Composite.traverse(c.output, refs, fn template, [ref | rest] ->
-        {%{template | data: %Moat.Backend{ref: ref, device: c.device}}, rest}
+    {result, refs} = fill(c.output, refs, c.device)
+
+    # The hooks' values are the program's last outputs: each function gets
+    # its handles once the call is sent (reading one waits for the program).
+    [] =
+      Enum.reduce(c.hooks, refs, fn {fun, template, _count}, refs ->
+        {value, rest} = fill(template, refs, c.device)
+        fun.(value)
+        rest
       end)
 
     result
+  end
+
+  defp fill(templates, refs, device) do
+    Composite.traverse(templates, refs, fn template, [ref | rest] ->
+      {%{template | data: %Moat.Backend{ref: ref, device: device}}, rest}
+    end)
   end
 
   # A quantized argument the program was not lowered for is dequantized.

@@ -65,9 +65,9 @@ enum Step {
         cond: Rc<Vec<Step>>,
         pred: usize,
         body: Rc<Branch>,
-        /// With `fuse: true`, one iteration (the body, then the next
-        /// condition) compiled: state and `free` slots in, the new state
-        /// and the condition's flag out.
+        /// With `fuse: true`, `UNROLL` iterations (each the body, then the
+        /// next condition) compiled: state and `free` slots in, the new
+        /// state and the condition's flag out.
         fused: Option<(Fused, Vec<usize>)>,
     },
     Cond {
@@ -243,7 +243,7 @@ impl Fused {
 }
 
 /// Compiles each while loop of `steps` (nested ones too) whose condition
-/// and body can be traced: one iteration becomes one fused call.
+/// and body can be traced: `UNROLL` iterations become one fused call.
 fn fuse_loops(steps: &mut [Step], slots: usize, checks: Checks) {
     for step in steps.iter_mut() {
         let Step::While {
@@ -288,12 +288,9 @@ fn fuse_loops(steps: &mut [Step], slots: usize, checks: Checks) {
                 let (state_values, free_values) = values.split_at(state.len());
                 run.set(&state, state_values.iter().map(share).collect::<Result<_, _>>()?);
                 run.set(&free_slots, free_values.iter().map(share).collect::<Result<_, _>>()?);
-                run.steps(&body.steps)?;
-                let results = run.values(&body.results, "while")?;
-                run.set(&state, results);
-                run.steps(&cond)?;
+                let flag = run.unrolled(&cond, pred, &body, &state)?;
                 let mut out = run.values(&state, "while")?;
-                out.push(flag(run.get(pred, "while")?, "while")?);
+                out.push(flag);
                 Ok(out)
             })();
             failed.set(result.is_err());
@@ -557,6 +554,9 @@ impl Parser {
     }
 }
 
+/// Iterations of a while loop one fused call runs (`Run::unrolled`).
+const UNROLL: usize = 16;
+
 /// Creation ops up to this size are evaluated once, when defined.
 const LITERAL_BYTES: usize = 64 << 10;
 
@@ -696,6 +696,41 @@ impl Run<'_> {
         }
         budget::evaluate(&arrays).map_err(|e| eval_failure("while", e))?;
         Ok(flag)
+    }
+
+    /// `UNROLL` iterations of a while loop whose condition holds now, built
+    /// lazily (in a fused iteration's trace, so one compiled call runs them
+    /// all): after the first, each iteration's state is `where(live,
+    /// body(state), state)`, `live` being the condition so far, so once the
+    /// condition fails the state stays the one the loop ends with, bit for
+    /// bit. Only for steps that build lazily: an iteration built past the
+    /// loop's end computes nothing that could fail or be seen. Returns
+    /// `live` as the u8 flag.
+    fn unrolled(&mut self, cond: &[Step], pred: usize, body: &Branch, state: &[usize]) -> Result<Array, Fail> {
+        let fail = |e: crate::mlx::Error| Failure::new("while", e.message);
+        let mut live: Option<Array> = None;
+        for _ in 0..UNROLL {
+            self.steps(&body.steps)?;
+            let mut values = self.values(&body.results, "while")?;
+            if let Some(live) = &live {
+                for (value, slot) in values.iter_mut().zip(state) {
+                    *value = ops::where_(live, value, self.get(*slot, "while")?).map_err(fail)?;
+                }
+            }
+            self.set(state, values);
+            self.steps(cond)?;
+            let pred = self.get(pred, "while")?;
+            if pred.size() != 1 {
+                let message = format!("a condition must be a scalar, got {} values", pred.size());
+                return Err(Failure::new("while", message));
+            }
+            let holds = ops::astype(pred, Dtype::Bool).map_err(fail)?;
+            live = Some(match live {
+                Some(live) => ops::logical_and(&live, &holds).map_err(fail)?,
+                None => holds,
+            });
+        }
+        ops::astype(&live.expect("UNROLL > 0"), Dtype::U8).map_err(fail)
     }
 
     /// One fused iteration of a while loop: its new state and flag, or None

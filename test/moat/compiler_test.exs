@@ -118,6 +118,10 @@ defmodule Moat.CompilerTest do
     assert_equivalent(&C.containers/1, [input])
     result = jit(&C.containers/1).(input)
     assert %{sum: %Nx.Tensor{}, pair: {%Nx.Tensor{}, %Nx.Tensor{shape: {}}}} = result
+    # The gradient by a whole container is a container of the same shape.
+    grad = fn input -> Nx.Defn.grad(input, &total(C.containers(&1))) end
+    assert_equivalent(grad, [input])
+    assert %{a: %Nx.Tensor{shape: {2, 3}}, b: {_, %Nx.Tensor{shape: {3}}}} = jit(grad).(input)
   end
 
   test "vectorized inputs" do
@@ -127,6 +131,9 @@ defmodule Moat.CompilerTest do
     assert_equivalent(fun, [x, y])
     {sum, _} = jit(fun).(x, y)
     assert sum.vectorized_axes == [rows: 3]
+    # Gradients of vectorized inputs, and by a plain input of a vectorized graph.
+    assert_equivalent(fn x, y -> Nx.Defn.grad(x, &total(fun.(&1, y))) end, [x, y])
+    assert_equivalent(fn x, y -> Nx.Defn.grad(y, &total(fun.(x, &1))) end, [x, y])
   end
 
   test "inputs on other backends, literals and captured tensors" do
@@ -184,6 +191,47 @@ defmodule Moat.CompilerTest do
     assert_same(jit(&Nx.cos/1).(z), evaluate(&Nx.cos/1).(z))
     grad = fn x -> Nx.Defn.grad(x, &Nx.sum(Nx.cos(&1))) end
     assert_same(jit(grad).(z), evaluate(grad).(z))
+    # c128 math Moat.Types runs as f64 pairs (which reads its inputs' worker) too.
+    for fun <- [&Nx.sigmoid/1, &Nx.log1p/1, &Nx.acos/1] do
+      grad = fn x -> Nx.Defn.grad(x, &Nx.sum(fun.(&1))) end
+      assert_same(jit(grad).(z), evaluate(grad).(z))
+    end
+  end
+
+  test "a replay copies no expression out of the cache (a graph copied out of ETS loses its sharing)" do
+    # Nx's grad_test.exs, triangular_solve with transform_a: :conjugate: the
+    # gradient's graph (c64 after the conjugate, so a fallback) shares its
+    # nodes; copied out of ETS it took seconds per call, more with each test.
+    grad = fn a, b -> Nx.Defn.grad(b, &Nx.sum(Nx.LinAlg.triangular_solve(a, &1, transform_a: :conjugate))) end
+    a = t([[1, 0, 0], [1, 1, 0], [1, 1, 1]])
+    b = t([2, 3, 4])
+    mlp_args = Enum.map([{8, 16}, {16, 12}, {12}, {12, 4}, {4}], &random(&1, 1))
+    :ets.match_delete(Moat.Compiler.Cache, {{:lowered, :_}, :_, :_})
+
+    assert_same(jit(grad).(a, b), evaluate(grad).(a, b))
+    assert_same(apply(jit(&C.mlp/5), mlp_args), apply(evaluate(&C.mlp/5), mlp_args))
+    entries = :ets.match_object(Moat.Compiler.Cache, {{:lowered, :_}, :_, :_})
+    assert length(entries) == 2
+    for {_key, compiled, _tick} <- entries, do: assert(:erts_debug.flat_size(compiled) < 2_000)
+  end
+
+  test "a closure too large to hash as a cache key is lowered per call" do
+    # ETS hashes a key whole without yielding (and blind to sharing: an
+    # expression a closure holds can make that exponential); such a function
+    # is not cached.
+    big = Enum.to_list(1..200_000)
+    fun = jit(fn x -> Nx.add(x, length(big)) end)
+    lowerings = Moat.compiler_info().lowerings
+    assert Nx.to_number(fun.(t(1))) == 200_001
+    assert Nx.to_number(fun.(t(2))) == 200_002
+    assert Moat.compiler_info().lowerings == lowerings + 2
+    refute Moat.Compiler.Cache.hashable?({fun, :key})
+    assert Moat.Compiler.Cache.hashable?({&C.mlp/5, :key})
+  end
+
+  test "a lazy container's argument the graph does not use is never read" do
+    fun = jit(fn %C.Wrapped{a: a} -> Nx.add(a, 1) end)
+    assert Nx.to_number(fun.(%C.Lazy{a: t(1.0), b: t(2.0)})) == 2.0
   end
 
   test "arguments of the same tensors in other containers lower apart" do
@@ -196,12 +244,71 @@ defmodule Moat.CompilerTest do
     assert Nx.to_number(a) == 1 and Nx.to_number(b) == 1
   end
 
-  test "hooks run through the evaluator" do
+  test "hooks run inside the program: their values come back as its extra outputs, in order" do
+    forward_events([[:moat, :compiler, :fallback]])
     parent = self()
-    fun = fn x -> x |> Nx.multiply(2) |> Nx.Defn.Kernel.hook(:seen, &send(parent, {:hook, &1})) end
-    assert Nx.to_flat_list(jit(fun).(t([1.0, 2.0]))) == [2.0, 4.0]
-    assert_receive {:hook, hooked}
-    assert Nx.to_flat_list(hooked) == [2.0, 4.0]
+
+    fun = fn x ->
+      y = x |> Nx.multiply(2) |> Nx.Defn.Kernel.hook(:doubled, &send(parent, {:hook, :doubled, &1}))
+      {a, b} = Nx.Defn.Kernel.hook({Nx.add(y, 1), Nx.sum(y)}, :pair, &send(parent, {:hook, :pair, &1}))
+      Nx.Defn.Kernel.print_value(Nx.multiply(a, b), label: "printed")
+    end
+
+    x = t([1.0, 2.0])
+    replays = Moat.compiler_info().replays
+    conn = Moat.Client.conn(Moat.Worker)
+    sent = :atomics.get(conn.counters, 2)
+    printed = ExUnit.CaptureIO.capture_io(fn -> send(parent, {:result, jit(fun).(x)}) end)
+    assert_received {:result, result}
+    assert printed =~ ~r/printed: #Nx.Tensor<\n  f32\[2\]\n.*\n  \[18.0, 30.0\]/
+    assert Moat.compiler_info().replays == replays + 1
+    # The program's definition, its run and print_value's readback: no frame per hook.
+    assert :atomics.get(conn.counters, 2) - sent <= 3
+    refute_received {:telemetry, [:moat, :compiler, :fallback], _, _}
+    assert Nx.to_flat_list(result) == [18.0, 30.0]
+    assert_received {:hook, :doubled, doubled}
+    assert_received {:hook, :pair, {plus, sum}}
+    assert Nx.to_flat_list(doubled) == [2.0, 4.0]
+    assert {Nx.to_flat_list(plus), Nx.to_number(sum)} == {[3.0, 5.0], 6.0}
+    # The evaluator runs the same hooks in the same order.
+    flush = fn flush ->
+      receive do
+        {:hook, name, _} -> [name | flush.(flush)]
+      after
+        0 -> []
+      end
+    end
+
+    ExUnit.CaptureIO.capture_io(fn -> evaluate(fun).(x) end)
+    evaluated = flush.(flush)
+    ExUnit.CaptureIO.capture_io(fn -> jit(fun).(x) end)
+    assert flush.(flush) == evaluated
+
+    # The :hooks option overrides a named hook; a hook without a function is skipped.
+    ExUnit.CaptureIO.capture_io(fn -> jit(fun, hooks: %{doubled: &send(parent, {:override, &1})}).(x) end)
+    assert_received {:override, _}
+    refute_received {:hook, :doubled, _}
+    assert Nx.to_flat_list(jit(&Nx.Defn.Kernel.hook(Nx.exp(&1), :unset)).(t([0.0]))) == [1.0]
+  end
+
+  defmodule Hooked do
+    import Nx.Defn
+
+    defn loop(x) do
+      while {x, i = 0}, i < 3 do
+        {hook(x + 1, :iteration), i + 1}
+      end
+    end
+  end
+
+  test "a hook inside a while body runs through the evaluator" do
+    forward_events([[:moat, :compiler, :fallback]])
+    parent = self()
+    hooks = %{iteration: &send(parent, {:iteration, Nx.to_number(&1)})}
+    assert {x, _} = jit(&Hooked.loop/1, hooks: hooks).(t(0.0))
+    assert Nx.to_number(x) == 3.0
+    assert_receive {:telemetry, [:moat, :compiler, :fallback], _, %{op: :hook}}
+    for i <- [1.0, 2.0, 3.0], do: assert_received({:iteration, ^i})
   end
 
   test "Nx.Serving runs jitted functions" do
@@ -231,6 +338,14 @@ defmodule Moat.CompilerTest do
       a = random({4, 3}, 1)
       assert_same(jit(&C.gathers/2, fuse: true).(a, t([2, 0])), evaluate(&C.gathers/2).(a, t([2, 0])))
       assert_same(jit(&C.while_tuple/1, fuse: true).(t([1.0, 2.0])), evaluate(&C.while_tuple/1).(t([1.0, 2.0])))
+
+      for n <- [0, 1, 2, 15, 16, 17, 40] do
+        assert_same(
+          jit(&C.count_to/2, fuse: true).(t([1.0, -2.0]), t(n)),
+          evaluate(&C.count_to/2).(t([1.0, -2.0]), t(n))
+        )
+      end
+
       error = assert_raise Moat.Error, fn -> jit(&Nx.take(&1, &2), fuse: true).(a, t([9])) |> Nx.to_binary() end
       assert error.op == :take
     end

@@ -34,6 +34,14 @@ defmodule Moat.CompilerCorpus do
 
   defn(sorting(a), do: {Nx.sort(a, axis: 1), Nx.argsort(a, axis: 1, direction: :desc), Nx.top_k(a, k: 2)})
 
+  # A loop of `n` iterations (a fused call runs several: the state must
+  # stop at the right one).
+  defn count_to(x, n) do
+    while {i = 0, acc = x, n}, i < n do
+      {i + 1, acc * 0.75 + i, n}
+    end
+  end
+
   defn while_tuple(x) do
     {_i, acc, n} =
       while {i = 0, acc = x, n = 0.0}, i < 1000 do
@@ -96,5 +104,26 @@ defmodule Moat.CompilerCorpus do
       end
 
     x
+  end
+end
+
+defmodule Moat.CompilerCorpus.Wrapped do
+  @moduledoc false
+  @derive {Nx.Container, containers: [:a, :b]}
+  defstruct [:a, :b]
+end
+
+defmodule Moat.CompilerCorpus.Lazy do
+  @moduledoc false
+  # A lazy container whose `b` must not be read unless the graph uses it
+  # (here, in test/support, as protocols are consolidated).
+  defstruct [:a, :b]
+
+  defimpl Nx.LazyContainer do
+    def traverse(%{a: a, b: b}, acc, fun) do
+      {a, acc} = fun.(Nx.to_template(a), fn -> a end, acc)
+      {b, acc} = fun.(Nx.to_template(b), fn -> raise "b was read" end, acc)
+      {%Moat.CompilerCorpus.Wrapped{a: a, b: b}, acc}
+    end
   end
 end

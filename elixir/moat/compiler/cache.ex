@@ -64,6 +64,25 @@ defmodule Moat.Compiler.Cache do
     end
   end
 
+  # Terms a key may hold (elements, list cells, map entries, closure
+  # environments, binary KiB) for hashing it to be cheap.
+  @hash_budget 100_000
+
+  @doc """
+  Whether `key` is small enough to hash: counted here with a budget, as a
+  preemptible walk, where ETS's hash of a term runs without yielding and
+  does not see its sharing.
+  """
+  def hashable?(key), do: cost(key, @hash_budget) >= 0
+
+  defp cost(_term, n) when n < 0, do: n
+  defp cost(tuple, n) when is_tuple(tuple), do: tuple |> Tuple.to_list() |> cost(n - 1)
+  defp cost([head | tail], n), do: cost(tail, cost(head, n - 1))
+  defp cost(map, n) when is_map(map), do: map |> Map.to_list() |> cost(n - 1)
+  defp cost(binary, n) when is_binary(binary), do: n - 1 - div(byte_size(binary), 1024)
+  defp cost(fun, n) when is_function(fun), do: fun |> Function.info(:env) |> elem(1) |> cost(n - 1)
+  defp cost(_term, n), do: n - 1
+
   def count_lowering, do: :counters.add(counters(), @lowered, 1)
 
   @doc "The program term `lowered/2` keeps beside `key`."

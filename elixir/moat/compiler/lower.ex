@@ -16,17 +16,22 @@ defmodule Moat.Compiler.Lower do
   alias Nx.Defn.{Composite, Expr, Tree}
   alias Nx.Tensor, as: T
 
-  # Nodes with a user function or a side effect: these run on the evaluator.
-  @unsupported [:fun, :hook, :token, :attach_token, :runtime_call, :reduce, :window_reduce]
+  # Nodes with a user function or a side effect: these run on the evaluator
+  # (`hook` only inside control flow, see apply_node(:hook, ...)).
+  @unsupported [:fun, :token, :attach_token, :runtime_call, :reduce, :window_reduce]
+  @emulated Moat.Types.emulated()
 
   @doc """
-  `{:ok, program, used_params, captures}` or `{:unsupported, op}`.
+  `{:ok, program, used_params, captures, hooks}` or `{:unsupported, op}`.
   `program` is the term `:define_program` takes, without its id; its
-  inputs are the used parameters (by position), then the captures.
+  inputs are the used parameters (by position), then the captures; its
+  outputs are the graph's, then each hook's values (`hooks`, in the order
+  the evaluator runs them: `{fun, template, count}`). `hooks` is the
+  `:hooks` option (name => function) that overrides named hooks.
   """
-  def lower(expr, quant \\ %{}) do
+  def lower(expr, quant \\ %{}, hooks \\ %{}) do
     Recorder.start()
-    Recorder.update(&Map.put(&1, :quant, quant))
+    Recorder.update(&Map.merge(&1, %{quant: quant, hook_funs: hooks, hooks: []}))
 
     try do
       {outputs, steps} =
@@ -37,8 +42,12 @@ defmodule Moat.Compiler.Lower do
       state = Recorder.get()
       {positions, param_slots} = state.inputs |> Enum.sort() |> Enum.unzip()
       {capture_slots, captures} = state.capture_list |> Enum.reverse() |> Enum.unzip()
+      hooks = Enum.reverse(state.hooks)
+      hook_slots = Enum.flat_map(hooks, fn {_fun, _template, slots} -> slots end)
+      hooks = Enum.map(hooks, fn {fun, template, slots} -> {fun, template, length(slots)} end)
+      outputs = outputs ++ hook_slots
       program = %{slots: state.next, inputs: param_slots ++ capture_slots, outputs: outputs, steps: steps}
-      {:ok, program, positions, captures}
+      {:ok, program, positions, captures, hooks}
     catch
       {:moat_unsupported, op} -> {:unsupported, op}
     after
@@ -129,6 +138,42 @@ defmodule Moat.Compiler.Lower do
 
   defp apply_node(:tensor, %T{data: %Expr{args: [tensor]}} = t),
     do: bind(t, %Slot{n: Recorder.slot(tensor)}, Moat.Quantized.info(tensor))
+
+  # A hook of the function's own frame (not in a while, a cond branch or a
+  # block's default implementation): its values become extra outputs of
+  # the program, and Moat.Compiler calls its function on them after the
+  # call's frame is sent, so the program never stops for it. Elsewhere a
+  # hook fires per iteration or per taken branch, which only the worker
+  # knows: that graph runs on the evaluator.
+  defp apply_node(:hook, %T{data: %Expr{args: [tensor_expr, spec, template, _ref]}} = t) do
+    %{scopes: scopes, top: top} = Recorder.get()
+    unless top and length(scopes) == 1, do: Recorder.unsupported!(:hook)
+    value = Composite.traverse(tensor_expr, &lower_node/1)
+
+    {hooked, template, spec} =
+      case spec do
+        {:token_hook, hooked_expr, inner} ->
+          hooked = Composite.traverse(hooked_expr, &lower_node/1)
+          {hooked, Composite.traverse(hooked_expr, &Nx.to_template/1), inner}
+
+        spec ->
+          {value, template, spec}
+      end
+
+    case hook_fun(spec, Recorder.get().hook_funs) do
+      nil ->
+        :ok
+
+      fun ->
+        slots = hooked |> flat() |> Enum.map(&Recorder.slot/1)
+        Recorder.update(&%{&1 | hooks: [{fun, template, slots} | &1.hooks]})
+    end
+
+    case t.type do
+      {:tuple, _} -> value |> flat() |> List.to_tuple()
+      _ -> value
+    end
+  end
 
   defp apply_node(:constant, %T{data: %Expr{args: [number]}} = t), do: Moat.Backend.constant(t, number, [])
 
@@ -221,13 +266,21 @@ defmodule Moat.Compiler.Lower do
         true -> [t | args]
       end
 
-    # What Moat.Backend runs on Nx.BinaryBackend (c128 math MLX lacks)
-    # cannot be a step: the graph runs on the evaluator.
+    # What Moat.Backend runs on Nx.BinaryBackend (c128 math MLX lacks), or
+    # emulates over MLX types (c128, f8, sub-byte integers: Moat.Types,
+    # which reads its inputs' worker), cannot be a step: the graph runs on
+    # the evaluator.
     [out | rest] = args
-    if Moat.Types.route(op, out, rest) == :fallback, do: Recorder.unsupported!(op)
+    if Moat.Types.route(op, out, rest) == :fallback or emulated?(args), do: Recorder.unsupported!(op)
 
     apply(Moat.Backend, op, args)
   end
+
+  defp emulated?(args), do: Enum.any?(args, &match?(%T{type: type} when type in @emulated, &1))
+
+  # As Nx.Defn.Evaluator resolves a hook's function.
+  defp hook_fun({:fn, fun}, _hooks), do: fun
+  defp hook_fun({:named, name, callback}, hooks), do: hooks[name] || callback
 
   # Lowers `fun` in a cond branch: a scope of its own inside this frame.
   defp branch(exprs, fun) do

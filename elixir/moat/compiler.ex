@@ -174,7 +174,7 @@ defmodule Moat.Compiler do
       output = Composite.traverse(result, &Nx.to_template/1)
       Cache.count_lowering()
 
-      case Lower.lower(expr, Keyword.get(opts, :quant, %{})) do
+      case Lower.lower(expr, Keyword.get(opts, :quant, %{}), opts[:device]) do
         {:ok, program, used, captures} ->
           program = if opts[:fuse] == true, do: Map.put(program, :fuse, true), else: program
 

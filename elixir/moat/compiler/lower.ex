@@ -24,9 +24,9 @@ defmodule Moat.Compiler.Lower do
   `program` is the term `:define_program` takes, without its id; its
   inputs are the used parameters (by position), then the captures.
   """
-  def lower(expr, quant \\ %{}) do
+  def lower(expr, quant \\ %{}, device \\ :cpu) do
     Recorder.start()
-    Recorder.update(&Map.put(&1, :quant, quant))
+    Recorder.update(&Map.merge(&1, %{quant: quant, device: device}))
 
     try do
       {outputs, steps} =

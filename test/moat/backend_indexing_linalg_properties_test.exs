@@ -24,9 +24,6 @@ defmodule Moat.BackendIndexingLinalgPropertiesTest do
     end)
   end
 
-  # On a GPU each new type and rank of index compiles MLX's gather kernels
-  # (NVRTC, on a bare machine seconds each): over a minute for 30 cases.
-  @tag timeout: 180_000
   test "take and take_along_axis" do
     check(:take, 30, fn ->
       shape = shape(rank: 1..3)

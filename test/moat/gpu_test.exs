@@ -118,15 +118,10 @@ defmodule Moat.GpuTest do
     assert_raise ArgumentError, ~r/\{:f, 64\} on the GPU/, fn -> jit.(&Nx.add(&1, 1)).(Nx.tensor([1.0], type: :f64)) end
   end
 
-  test "ops the worker computes in f64 run in programs as eagerly (built on the CPU)", %{cpu: cpu} do
+  test "ops MLX's CUDA backend refuses to build run in programs as eagerly (built on the CPU)", %{cpu: cpu} do
     a = Nx.tensor([[4.0, 1.0, 0.5], [1.0, 3.0, 0.2], [0.5, 0.2, 2.0]])
 
-    funs = [
-      fn x -> x |> Nx.LinAlg.qr() |> elem(1) end,
-      fn x -> Nx.window_max(x, {2, 2}) end,
-      fn x -> Nx.cbrt(x) |> Nx.add(Nx.erfc(x)) |> Nx.round() end,
-      fn x -> Nx.remainder(x, 0.7) end
-    ]
+    funs = [fn x -> x |> Nx.LinAlg.qr() |> elem(1) end, fn x -> Nx.window_max(x, {2, 2}) end]
 
     for fun <- funs do
       on = fn worker -> Nx.backend_copy(a, {Moat.Backend, worker: worker}) end

@@ -1207,6 +1207,8 @@ defmodule Moat.Backend do
   defp recorded(outs, name, inputs, attrs) do
     outs = Tuple.to_list(outs)
     Enum.each(outs, &Moat.check_type!(&1.type))
+    # A program refuses what the eager op would (f64 on the GPU), while it is lowered.
+    Enum.each(outs, &gpu_type!(&1.type, Recorder.device(), name))
     slots = Recorder.record(name, inputs, attrs, length(outs))
     outs |> Enum.zip_with(slots, &%{&1 | data: %__MODULE__{ref: &2}}) |> List.to_tuple()
   end

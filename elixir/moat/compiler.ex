@@ -226,7 +226,7 @@ defmodule Moat.Compiler do
       output = Composite.traverse(result, &Nx.to_template/1)
       Cache.count_lowering()
 
-      case Lower.lower(expr, Keyword.get(opts, :quant, %{}), Keyword.get(opts, :hooks, %{})) do
+      case Lower.lower(expr, Keyword.get(opts, :quant, %{}), Keyword.get(opts, :hooks, %{}), opts[:device]) do
         {:ok, program, used, captures, hooks} ->
           program = if opts[:fuse] == true, do: Map.put(program, :fuse, true), else: program
 

@@ -567,7 +567,7 @@ fn literal(name: &str, builder: Builder, attrs: &Term, outs: usize) -> Option<Ve
     if !matches!(name, "constant" | "iota" | "eye") {
         return None;
     }
-    let arrays = builder(&[], attrs).ok()?;
+    let arrays = crate::ops::build(builder, &[], attrs).ok()?;
     let small = arrays.len() == outs && arrays.iter().all(|a| a.nbytes() <= LITERAL_BYTES);
     if !small || Checks::default().outputs(&arrays).is_err() {
         return None;
@@ -750,7 +750,9 @@ impl Run<'_> {
             .iter()
             .map(|s| self.get(*s, name))
             .collect::<Result<Vec<&Array>, Fail>>()?;
-        let arrays = builder(&inputs, attrs)
+        // As an eager request: what MLX's CUDA backend refuses to build is
+        // built on the CPU (ops::build).
+        let arrays = crate::ops::build(builder, &inputs, attrs)
             .and_then(|arrays| self.checks.outputs(&arrays).map(|()| arrays))
             .map_err(|m| Failure::new(name, m))?;
         budget::admit_results(&arrays).map_err(|e| Failure::new(name, e.to_string()))?;

@@ -109,7 +109,7 @@ defmodule Moat.BackendIndexingLinalgPropertiesTest do
       c = fg * int(1, 2)
       o = fg * bg * int(1, 2)
       input_shape = List.to_tuple([bg * int(1, 2), c | Tuple.to_list(shape(rank: spatial, dims: 3..6))])
-      input = tensor(input_shape, one_of([{:f, 32}, {:f, 64}, {:s, 32}]), @exact)
+      input = tensor(input_shape, one_of(wide_floats() ++ [{:s, 32}]), @exact)
       kernel_shape = List.to_tuple([o, div(c, fg) | Tuple.to_list(shape(rank: spatial, dims: 1..3))])
       kernel = tensor(kernel_shape, {:f, 32}, @exact)
 
@@ -258,7 +258,7 @@ defmodule Moat.BackendIndexingLinalgPropertiesTest do
 
   test "float remainder is C's fmod" do
     check(:fmod, 20, fn ->
-      type = one_of([{:f, 32}, {:f, 64}])
+      type = one_of(wide_floats())
       a = tensor(shape(rank: 1, dims: 1..8), type, @inexact) |> Nx.multiply(10)
       b = a |> Nx.shape() |> tensor(type, @inexact) |> nonzero()
       same([a, b], &Nx.remainder/2)
@@ -278,7 +278,7 @@ defmodule Moat.BackendIndexingLinalgPropertiesTest do
   test "triangular_solve on either side, lower or upper, transposed or not" do
     check(:triangular_solve, 30, fn ->
       n = int(1, 4)
-      type = one_of([{:f, 32}, {:f, 64}])
+      type = one_of(wide_floats())
       lower = chance(0.5)
       a = triangular(n, type, lower)
       left = chance(0.5)
@@ -291,7 +291,7 @@ defmodule Moat.BackendIndexingLinalgPropertiesTest do
   test "cholesky, lu, solve and determinant agree with Nx's implementations" do
     check(:factorisations, 15, fn ->
       n = int(1, 4)
-      type = one_of([{:f, 32}, {:f, 64}])
+      type = one_of(wide_floats())
       m = tensor({n, n}, type, @inexact)
       spd = Nx.dot(m, [1], m, [1]) |> Nx.add(Nx.multiply(Nx.eye(n, type: type), n))
       tol = accumulated(1.0e-3)
@@ -311,7 +311,7 @@ defmodule Moat.BackendIndexingLinalgPropertiesTest do
   test "qr (reduced and complete), eigh and svd reconstruct their input like Nx's" do
     check(:decompositions, 15, fn ->
       {m, n} = {int(1, 4), int(1, 4)}
-      type = one_of([{:f, 32}, {:f, 64}])
+      type = one_of(wide_floats())
       a = tensor({m, n}, type, @inexact)
       tol = [tolerance: accumulated(1.0e-3)]
       k = min(m, n)

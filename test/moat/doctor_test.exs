@@ -12,6 +12,9 @@ defmodule Moat.DoctorTest do
 
   defp find(findings, check), do: Enum.find(findings, &(&1.check == check))
 
+  # The :cpu_only tests check this checkout's CPU build: its priv/ worker and
+  # MLX, its build script, the CPU wheel (bin/gpu carries none of them).
+  @tag :cpu_only
   test "on this checkout's build everything is found and the self-test restarts a worker" do
     findings = Moat.Doctor.run()
     text = Moat.Doctor.format(findings)
@@ -24,6 +27,7 @@ defmodule Moat.DoctorTest do
     assert text =~ ~r/BLAS +\S+, [\d.]+ GFLOP\/s/
   end
 
+  @tag :cpu_only
   test "a worker without its MLX and a missing finalizer NIF are reported with their fixes", %{tmp: tmp} do
     # The worker binary as a build leaves it, but without the lib/ beside
     # it: what a project sees when MLX was never installed or was removed.
@@ -46,6 +50,7 @@ defmodule Moat.DoctorTest do
     assert detail =~ "is not built"
   end
 
+  @tag :cpu_only
   test "build.rs says the one command that installs MLX when it finds none", %{tmp: tmp} do
     # The compiled build script of this checkout, run as cargo runs it, with
     # an empty cache and no python3 (so no pip-installed mlx either).
@@ -60,6 +65,7 @@ defmodule Moat.DoctorTest do
     assert out =~ "moat: MLX 0.32.4 (mlx-cpu) not found. Install it with\n\n    mix moat.setup --mlx cpu\n"
   end
 
+  @tag :cpu_only
   test "mix moat.setup installs the pinned wheel into an empty cache (offline, from a wheel folder)", %{tmp: tmp} do
     wheels = Path.join(System.get_env("MOAT_CACHE", Path.expand("~/.cache/moat")), "src/wheels")
 

@@ -153,6 +153,7 @@ defmodule Moat.FastTest do
       end
     end
 
+    @tag :f64
     test "f64 takes the reference composition on Moat (MLX's kernels compute it in f32)" do
       x = random(1, {2, 8}, {:f, 64})
       w = random(2, {8}, {:f, 64})

@@ -110,6 +110,28 @@ defmodule Moat.GpuTest do
     assert Nx.to_flat_list(Nx.add(t, 1)) == [2.0, 3.0]
   end
 
+  test "f64 in a compiled program is the same ArgumentError, raised while it is lowered" do
+    t = Nx.tensor([1.0, 2.0], backend: Moat.Backend)
+    jit = &Nx.Defn.jit(&1, compiler: Moat.Compiler)
+    assert_raise ArgumentError, ~r/\{:f, 64\} on the GPU/, fn -> jit.(&Nx.as_type(&1, :f64)).(t) end
+    assert_raise ArgumentError, ~r/\{:f, 64\} on the GPU/, fn -> jit.(&Nx.add(&1, Nx.iota({2}, type: :f64))).(t) end
+    assert_raise ArgumentError, ~r/\{:f, 64\} on the GPU/, fn -> jit.(&Nx.add(&1, 1)).(Nx.tensor([1.0], type: :f64)) end
+  end
+
+  test "ops MLX's CUDA backend refuses to build run in programs as eagerly (built on the CPU)", %{cpu: cpu} do
+    a = Nx.tensor([[4.0, 1.0, 0.5], [1.0, 3.0, 0.2], [0.5, 0.2, 2.0]])
+
+    funs = [fn x -> x |> Nx.LinAlg.qr() |> elem(1) end, fn x -> Nx.window_max(x, {2, 2}) end]
+
+    for fun <- funs do
+      on = fn worker -> Nx.backend_copy(a, {Moat.Backend, worker: worker}) end
+      compiled = Nx.Defn.jit(fun, compiler: Moat.Compiler).(on.(Moat.Worker)) |> Nx.backend_transfer()
+      eager = fun.(on.(Moat.Worker)) |> Nx.backend_transfer()
+      assert compiled == eager
+      assert Nx.to_number(Nx.all_close(compiled, fun.(on.(cpu)) |> Nx.backend_transfer(), rtol: 1.0e-5)) == 1
+    end
+  end
+
   test "the guards hold on the GPU: indices, divisors, the memory limit" do
     t = Nx.iota({4}, type: :f32, backend: Moat.Backend)
     e = assert_raise Error, fn -> Nx.take(t, Nx.tensor([0, 9], backend: Moat.Backend)) |> Nx.to_binary() end

@@ -11,6 +11,8 @@ defmodule Moat.OpTableTest do
 
   @roots %{{Moat.Protocol, :request, 6} => 3, {Moat.Protocol, :request, 7} => 3}
 
+  # priv/'s worker is the CPU build, which bin/gpu does not carry.
+  @tag :cpu_only
   test "every op the library can send is one the worker lists" do
     {sent, unresolved} = sent_ops()
     assert unresolved == [], "cannot tell which op these calls send: #{inspect(unresolved)}"

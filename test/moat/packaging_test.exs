@@ -8,6 +8,8 @@ defmodule Moat.PackagingTest do
   use ExUnit.Case, async: false
 
   @moduletag :packaging
+  # Needs cargo and this checkout's CPU build, which bin/gpu does not carry.
+  @moduletag :cpu_only
   @moduletag timeout: 900_000
 
   @root Path.expand("../..", __DIR__)

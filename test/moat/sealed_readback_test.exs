@@ -62,7 +62,7 @@ defmodule Moat.SealedReadbackTest do
     expected = for <<b <- data>>, into: <<>>, do: <<rem(b + 1, 256)>>
     assert Nx.to_binary(sum) == expected
 
-    for type <- [{:s, 16}, {:f, 32}, {:f, 64}, {:c, 64}] do
+    for type <- device_types([{:s, 16}, {:f, 32}, {:f, 64}, {:c, 64}]) do
       t = Nx.iota({300, 257}, type: type, backend: Nx.BinaryBackend)
       assert Nx.to_binary(Nx.backend_transfer(t, {Moat.Backend, worker: w})) == Nx.to_binary(t), inspect(type)
     end

@@ -1,7 +1,9 @@
 defmodule Moat.TypesTest do
   # The types MLX does not have (Moat.Types): f8 (E5M2), f8_e4m3fn, 2- and
   # 4-bit integers and c128, against Nx.BinaryBackend bit for bit, on
-  # random shapes and values (seeded, see Moat.Gen).
+  # random shapes and values (seeded, see Moat.Gen). Tagged :f64: the
+  # tests that compute f8 (in f64), hold c128 (as f64 pairs) or take every
+  # type, which a GPU worker refuses (test_helper.exs skips them there).
   use ExUnit.Case, async: false
 
   import Moat.Gen
@@ -29,6 +31,7 @@ defmodule Moat.TypesTest do
              Enum.map_join(inputs, "\n", &inspect(Nx.to_flat_list(&1)))
   end
 
+  @tag :f64
   test "every type travels to the worker and back bit for bit" do
     check(:round_trip, @cases, fn ->
       type = one_of(emulated_types())
@@ -62,6 +65,7 @@ defmodule Moat.TypesTest do
     assert Moat.dtype(Nx.tensor([1.0], type: :f8).data.ref) == {:u, 8}
   end
 
+  @tag :f64
   test "every f8 and f8_e4m3fn byte widens exactly and rounds back to itself" do
     for type <- f8_types() do
       bytes = Nx.from_binary(for(b <- 0..255, into: <<>>, do: <<b>>), type, backend: Nx.BinaryBackend)
@@ -70,6 +74,7 @@ defmodule Moat.TypesTest do
     end
   end
 
+  @tag :f64
   test "conversions from and to every type round as Nx does" do
     check(:conversions, @cases * 3, fn ->
       {from, to} = {one_of(emulated_types() ++ all_types()), one_of(emulated_types() ++ [{:f, 32}, {:s, 64}])}
@@ -82,6 +87,7 @@ defmodule Moat.TypesTest do
     end)
   end
 
+  @tag :f64
   test "e4m3fn rounds ties away from zero, saturates and caps the mantissa as Nx does" do
     values = [0.1, 1.96, 0.0155, 1000.0, -0.001, :nan, :infinity, :neg_infinity, 3.3, 0.0029296875, -0.0, 0.0]
     ties = for m <- 0..15, e <- -9..8, do: (m + 0.5) / 8 * :math.pow(2, e)
@@ -94,6 +100,7 @@ defmodule Moat.TypesTest do
     exact([Nx.tensor(values ++ ties, type: :f64, backend: Nx.BinaryBackend)], &Nx.as_type(&1, :f8))
   end
 
+  @tag :f64
   test "arithmetic on f8 and sub-byte integers computes wide and rounds or wraps as Nx does" do
     check(:arithmetic, @cases * 2, fn ->
       type = one_of(small_int_types() ++ f8_types())
@@ -140,6 +147,7 @@ defmodule Moat.TypesTest do
     assert Nx.to_flat_list(Nx.count_leading_zeros(Nx.tensor([0, 1, 3], type: :u2))) == [2, 1, 0]
   end
 
+  @tag :f64
   test "data movement keeps the stored bytes, for every type" do
     check(:movement, @cases * 2, fn ->
       type = one_of(emulated_types())
@@ -162,6 +170,7 @@ defmodule Moat.TypesTest do
     end)
   end
 
+  @tag :f64
   test "constants, iota and eye of every type" do
     for type <- emulated_types() do
       exact([], fn -> Nx.iota({3, 7}, type: type, axis: 1) end)
@@ -178,6 +187,7 @@ defmodule Moat.TypesTest do
     assert inspect(Nx.tensor([Complex.new(1, 2)], type: :c128)) =~ "1.0+2.0i"
   end
 
+  @tag :f64
   test "c128 is computed on Nx.BinaryBackend, with fallback telemetry; moving it is native" do
     forward_events([[:moat, :fallback, :start]])
 
@@ -210,6 +220,7 @@ defmodule Moat.TypesTest do
     end)
   end
 
+  @tag :f64
   test "c128 results, fallbacks included, stay on their worker" do
     other = Moat.Case.start_worker(:types_other)
     a = Nx.tensor([Complex.new(1.0, 2.0), 3.0], type: :c128, backend: {Moat.Backend, worker: other})
@@ -229,6 +240,7 @@ defmodule Moat.TypesTest do
     end
   end
 
+  @tag :f64
   test "f64 inputs to complex functions and their gradients" do
     x = Nx.tensor([1.0, 2.0, 3.0], type: :f64)
     exact([x], &Nx.conjugate/1)

@@ -11,6 +11,15 @@ defmodule Moat.Case do
     name
   end
 
+  @doc """
+  Whether the default worker computes on a GPU (bin/gpu). MLX's CUDA backend
+  has no float64: there f64 is an ArgumentError (test/moat/gpu_test.exs).
+  """
+  def gpu?, do: Map.get(Moat.Worker.info(), :device) == :gpu
+
+  @doc "`types` less f64 (as `{:f, 64}` or `:f64`) where the default worker is on a GPU."
+  def device_types(types), do: if(gpu?(), do: types -- [{:f, 64}, :f64], else: types)
+
   def os_pid(worker \\ Moat.Worker), do: Moat.Worker.info(worker).os_pid
 
   def os_alive?(pid), do: File.exists?("/proc/#{pid}") and not zombie?(pid)

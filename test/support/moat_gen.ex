@@ -21,6 +21,9 @@ defmodule Moat.Gen do
     if Map.get(Moat.Worker.info(), :device) == :gpu, do: @floats -- [{:f, 64}], else: @floats
   end
 
+  @doc "f32 and, where the worker has it (not on a GPU), f64."
+  def wide_floats, do: float_types() -- [{:f, 16}, {:bf, 16}]
+
   # Held in a storage type by Moat.Backend (Moat.Types): MLX has none of them.
   @small_ints [{:s, 2}, {:s, 4}, {:u, 2}, {:u, 4}]
   @f8 [{:f, 8}, {:f8_e4m3fn, 8}]

@@ -29,9 +29,9 @@ defmodule Moat.Compiler.Lower do
   the evaluator runs them: `{fun, template, count}`). `hooks` is the
   `:hooks` option (name => function) that overrides named hooks.
   """
-  def lower(expr, quant \\ %{}, hooks \\ %{}) do
+  def lower(expr, quant \\ %{}, hooks \\ %{}, device \\ :cpu) do
     Recorder.start()
-    Recorder.update(&Map.merge(&1, %{quant: quant, hook_funs: hooks, hooks: []}))
+    Recorder.update(&Map.merge(&1, %{quant: quant, hook_funs: hooks, hooks: [], device: device}))
 
     try do
       {outputs, steps} =

@@ -31,6 +31,9 @@ defmodule Moat.Compiler.Recorder do
 
   def stop, do: Process.delete(@key)
 
+  @doc "The device the program is lowered for (its ops are checked against it, as eager ones)."
+  def device, do: Map.get(get(), :device, :cpu)
+
   def get, do: Process.get(@key)
   def put(state), do: Process.put(@key, state)
   def update(fun), do: put(fun.(get()))

@@ -33,9 +33,18 @@ defmodule Moat.Reliability.LargeDataTest do
       assert byte_size(back) == byte_size(data)
       assert :crypto.hash(:sha256, back) == sent_hash
       # Held once in the worker: read straight into its final buffer (or
-      # mapped from the file it was written to), read back from it.
+      # mapped from the file it was written to), read back from it. On a GPU
+      # the tensor lives on the card: a mapped upload is copied there at its
+      # first evaluation (here the readback, whose host buffer then exists
+      # beside it), and CUDA's context takes about 0.5 GB.
       peak = Reliability.proc_status_bytes(os_pid, "VmHWM")
-      assert peak < byte_size(data) + 512 * 1024 * 1024, "worker peak RSS #{div(peak, 1_048_576)} MiB"
+
+      bound =
+        if gpu?() and transfer == :shared_memory,
+          do: 2 * byte_size(data) + 768 * 1024 ** 2,
+          else: byte_size(data) + 512 * 1024 ** 2
+
+      assert peak < bound, "worker peak RSS #{div(peak, 1_048_576)} MiB"
 
       Reliability.record(
         :load,

@@ -30,6 +30,10 @@ defmodule Moat.Reliability.LoadTest do
     worker = start_worker(:load, log_level: :error)
     conn = Client.conn(worker)
     os_pid = conn.info.os_pid
+    # The first ops start what the worker keeps for its life (on a GPU,
+    # CUDA's context and the walk's kernels, about 0.5 GB): the baseline
+    # comes after them.
+    Nx.with_default_backend({Moat.Backend, worker: worker}, fn -> walk(0, 100) end)
 
     tracer = start_reply_counter(conn.owner)
     sampler = spawn_link(fn -> sample(os_pid, tracer, %{worker: 0, vm: 0}) end)

@@ -38,7 +38,7 @@ pub fn kv_write(x: &[&Array], a: &Term) -> Outputs {
             "rows of shape {new:?} do not fit a cache of shape {shape:?} (they must agree on every axis but {axis})"
         ));
     }
-    if !super::convert::is_integer(offset.dtype()) || !offset.shape().is_empty() {
+    if !offset.dtype().is_integer() || !offset.shape().is_empty() {
         return Err(format!(
             "the offset must be an integer scalar, got {} of shape {:?}",
             crate::protocol::dtype_term(offset.dtype()),

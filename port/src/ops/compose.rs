@@ -25,10 +25,6 @@ pub fn unsigned(dtype: Dtype) -> Dtype {
     }
 }
 
-pub fn is_signed(dtype: Dtype) -> bool {
-    dtype.is_signed()
-}
-
 /// Product of dimensions, saturating at `i64::MAX`.
 pub fn count(shape: &[i32]) -> i64 {
     shape.iter().fold(1i64, |n, &d| n.saturating_mul(d as i64))

@@ -3,18 +3,6 @@
 
 use crate::mlx::{ops, Array, Dtype, Result};
 
-pub fn is_complex(d: Dtype) -> bool {
-    d.is_complex()
-}
-
-pub fn is_unsigned(d: Dtype) -> bool {
-    d.is_unsigned()
-}
-
-pub fn is_integer(d: Dtype) -> bool {
-    d.is_integer()
-}
-
 pub fn bits(d: Dtype) -> i64 {
     8 * d.size() as i64
 }
@@ -22,7 +10,7 @@ pub fn bits(d: Dtype) -> i64 {
 /// The smallest and largest value of an integer dtype.
 pub fn int_bounds(d: Dtype) -> (i128, i128) {
     let bits = bits(d) as u32;
-    if is_unsigned(d) {
+    if d.is_unsigned() {
         (0, (1i128 << bits) - 1)
     } else {
         (-(1i128 << (bits - 1)), (1i128 << (bits - 1)) - 1)
@@ -75,7 +63,7 @@ pub fn cast(x: &Array, to: Dtype) -> Result<Array> {
     if from == to {
         return x.share();
     }
-    if is_complex(from) && !is_complex(to) {
+    if from.is_complex() && !to.is_complex() {
         return cast(&ops::real(x)?, to);
     }
     if !from.is_inexact() || to.is_inexact() {

@@ -4,7 +4,7 @@
 //! transcendentals go to the shim's vectorized CPU kernels (`kernels`).
 
 use super::compose::complex;
-use super::convert::{bits, float_scalar, int_scalar, is_complex, is_integer, is_unsigned, nonzero, zero, zeros_like};
+use super::convert::{bits, float_scalar, int_scalar, nonzero, zero, zeros_like};
 use super::{attrs, finish, nx_complex, precise, to_out_type, Outputs};
 use crate::mlx::kernels::{self, Op};
 use crate::mlx::{ops, Array, Dtype, Result};
@@ -80,7 +80,7 @@ macro_rules! unary_nx_complex {
     ($($name:ident => $mlx:ident),* $(,)?) => {$(
         pub fn $name(x: &[&Array], a: &Term) -> Outputs {
             let t = to_out_type(x[0], a)?;
-            if is_complex(t.dtype()) {
+            if t.dtype().is_complex() {
                 return finish(nx_complex::unary(stringify!($name), &t), a);
             }
             finish(ops::$mlx(&t), a)
@@ -142,7 +142,7 @@ kernel! {
 macro_rules! complex_as_nx {
     ($($name:ident => $nx:literal, $mlx:path);* $(;)?) => {$(
         fn $name(t: &Array) -> Result<Array> {
-            if is_complex(t.dtype()) {
+            if t.dtype().is_complex() {
                 return nx_complex::unary($nx, t);
             }
             $mlx(t)
@@ -204,7 +204,7 @@ macro_rules! float_only {
     ($($name:ident => $f:expr),* $(,)?) => {$(
         pub fn $name(x: &[&Array], a: &Term) -> Outputs {
             let t = to_out_type(x[0], a)?;
-            if is_integer(t.dtype()) {
+            if t.dtype().is_integer() {
                 return finish(Ok(t), a);
             }
             finish($f(&t), a)
@@ -238,7 +238,7 @@ pub fn sign(x: &[&Array], a: &Term) -> Outputs {
 
 pub fn negate(x: &[&Array], a: &Term) -> Outputs {
     let t = to_out_type(x[0], a)?;
-    if is_unsigned(t.dtype()) {
+    if t.dtype().is_unsigned() {
         // Wraps like Nx: -x mod 2^bits.
         return finish(zero(t.dtype()).and_then(|z| ops::subtract(&z, &t)), a);
     }
@@ -246,14 +246,14 @@ pub fn negate(x: &[&Array], a: &Term) -> Outputs {
 }
 
 pub fn real(x: &[&Array], a: &Term) -> Outputs {
-    if is_complex(x[0].dtype()) {
+    if x[0].dtype().is_complex() {
         return finish(ops::real(x[0]), a);
     }
     finish(x[0].share(), a)
 }
 
 pub fn imag(x: &[&Array], a: &Term) -> Outputs {
-    if is_complex(x[0].dtype()) {
+    if x[0].dtype().is_complex() {
         return finish(ops::imag(x[0]), a);
     }
     finish(zeros_like(x[0]), a)
@@ -264,7 +264,7 @@ pub fn imag(x: &[&Array], a: &Term) -> Outputs {
 /// the modulus at a third of the phase.
 pub fn cbrt(x: &[&Array], a: &Term) -> Outputs {
     let t = to_out_type(x[0], a)?;
-    if is_complex(t.dtype()) {
+    if t.dtype().is_complex() {
         let polar = || -> Result<Array> {
             let r = ops::astype(&real_cbrt(&ops::abs(&t)?)?, Dtype::F32)?;
             let third = ops::divide(&phase_of(&t)?, &float_scalar(3.0, Dtype::F32)?)?;
@@ -305,7 +305,7 @@ fn phase_of(z: &Array) -> Result<Array> {
 /// `e^z - 1`; for complex z = x + yi, `expm1(x) cos y - 2 sin^2(y/2)` +
 /// `e^x sin y` i, which keeps the digits of a result near 0.
 fn expm1_other(t: &Array) -> Result<Array> {
-    if !is_complex(t.dtype()) {
+    if !t.dtype().is_complex() {
         return ops::expm1(t);
     }
     let (re, im) = (ops::real(t)?, ops::imag(t)?);
@@ -320,7 +320,7 @@ fn expm1_other(t: &Array) -> Result<Array> {
 /// imaginary parts to check).
 pub fn atan2(x: &[&Array], a: &Term) -> Outputs {
     let (l, r) = (to_out_type(x[0], a)?, to_out_type(x[1], a)?);
-    if !is_complex(l.dtype()) {
+    if !l.dtype().is_complex() {
         return finish(kernels::atan2(&l, &r), a);
     }
     for side in [&l, &r] {
@@ -343,10 +343,10 @@ pub fn pow(x: &[&Array], a: &Term) -> Outputs {
     if kernel_type(t) {
         return finish(kernels::power(&base, &exp), a);
     }
-    if is_complex(t) {
+    if t.is_complex() {
         return finish(nx_complex::pow(&base, &exp), a);
     }
-    if !is_integer(t) || is_unsigned(t) {
+    if !t.is_integer() || t.is_unsigned() {
         return finish(ops::power(&base, &exp), a);
     }
     let compute = || -> Result<Array> {
@@ -384,7 +384,7 @@ pub fn right_shift(x: &[&Array], a: &Term) -> Outputs {
     let t = l.dtype();
     let compute = || -> Result<Array> {
         let (out_of_range, amount) = shift_amount(&r)?;
-        let shifted_out = if is_unsigned(t) {
+        let shifted_out = if t.is_unsigned() {
             zero(t)?
         } else {
             ops::right_shift(&l, &int_scalar(bits(t) as i128 - 1, t)?)?
@@ -411,7 +411,7 @@ pub fn logical_not(x: &[&Array], a: &Term) -> Outputs {
 
 /// Nx.Block.Phase: `atan2(imag, real)`; 0 or pi for real inputs.
 pub fn phase(x: &[&Array], a: &Term) -> Outputs {
-    if is_complex(x[0].dtype()) {
+    if x[0].dtype().is_complex() {
         return finish(ops::imag(x[0]).and_then(|im| kernels::atan2(&im, &ops::real(x[0])?)), a);
     }
     let t = to_out_type(x[0], a)?;

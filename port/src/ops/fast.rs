@@ -3,7 +3,7 @@
 //! inputs to the output type first; the shapes MLX would refuse are checked
 //! here, so that the error names what is wrong.
 
-use super::convert::{is_complex, nonzero};
+use super::convert::nonzero;
 use super::{attrs, finish, to_out_type, Outputs};
 use crate::mlx::ops::{self, Offset, Rope};
 use crate::mlx::{Array, Dtype};
@@ -14,7 +14,7 @@ type Checked<T> = Result<T, String>;
 /// A real float output type (MLX's kernels take no integers or complex).
 fn float_type(a: &Term) -> Checked<Dtype> {
     match attrs::out_type(a)? {
-        Some(t) if t.is_float() && !is_complex(t) => Ok(t),
+        Some(t) if t.is_float() && !t.is_complex() => Ok(t),
         Some(t) => Err(format!(
             "expected a real float type, got {}",
             crate::protocol::dtype_term(t)
@@ -94,7 +94,7 @@ pub fn rope(x: &[&Array], a: &Term) -> Outputs {
     let offsets = if offset_attr.is_atom("nil") {
         let o = rest.next().ok_or("offset is nil but no offset tensor was given")?;
         let per_batch = o.shape() == [shape[0]] && rank >= 3 && seq != 0;
-        if !super::convert::is_integer(o.dtype()) || !(o.shape().is_empty() || per_batch) {
+        if !o.dtype().is_integer() || !(o.shape().is_empty() || per_batch) {
             return Err(format!(
                 "the offset tensor must be an integer scalar or one per batch ([{}], with seq_axis not 0), \
                  got {} of shape {:?}",
@@ -214,13 +214,13 @@ pub fn sdpa(x: &[&Array], a: &Term) -> Outputs {
     let mask = match extra("mask") {
         None => None,
         Some(m) if m.dtype() == Dtype::Bool => Some(m.share()?),
-        Some(m) if m.dtype().is_float() && !is_complex(m.dtype()) => Some(ops::astype(m, t)?),
-        Some(m) if !is_complex(m.dtype()) => Some(nonzero(m)?),
+        Some(m) if m.dtype().is_float() && !m.dtype().is_complex() => Some(ops::astype(m, t)?),
+        Some(m) if !m.dtype().is_complex() => Some(nonzero(m)?),
         Some(_) => return Err("a complex mask is neither boolean nor additive".into()),
     };
     let per_batch = |role: &str| -> Checked<Option<Array>> {
         let Some(p) = extra(role) else { return Ok(None) };
-        if !super::convert::is_integer(p.dtype()) || !(p.shape().is_empty() || p.shape() == [qs[0]]) {
+        if !p.dtype().is_integer() || !(p.shape().is_empty() || p.shape() == [qs[0]]) {
             return Err(format!(
                 "{role} must be an integer scalar or one per batch ([{}]), got {} of shape {:?}",
                 qs[0],
@@ -237,7 +237,7 @@ pub fn sdpa(x: &[&Array], a: &Term) -> Outputs {
     let (lengths, starts) = (per_batch("lengths")?, per_batch("starts")?);
     let sinks = match extra("sinks") {
         None => None,
-        Some(s) if s.shape() == [qs[1]] && s.dtype().is_float() && !is_complex(s.dtype()) => {
+        Some(s) if s.shape() == [qs[1]] && s.dtype().is_float() && !s.dtype().is_complex() => {
             Some(ops::astype(s, Dtype::F32)?)
         }
         Some(s) => {

@@ -8,8 +8,8 @@
 //! fails the op, as it raises in Nx.BinaryBackend (the divisor is evaluated,
 //! within the memory limit, to check); float remainders by zero are NaN, as in IEEE 754.
 
-use super::compose::{is_signed, unsigned};
-use super::convert::{int_scalar, is_integer};
+use super::compose::unsigned;
+use super::convert::int_scalar;
 use super::{finish, to_out_type, Outputs};
 use crate::mlx::{ops, Array, Dtype, Result};
 use crate::term::Term;
@@ -17,11 +17,11 @@ use crate::term::Term;
 pub fn quotient(x: &[&Array], a: &Term) -> Outputs {
     let (l, r) = (to_out_type(x[0], a)?, to_out_type(x[1], a)?);
     let dtype = l.dtype();
-    if !is_integer(dtype) {
+    if !dtype.is_integer() {
         return Err(format!("quotient needs integer types, got {:?}", dtype.nx()));
     }
     check_divisor(&r)?;
-    if !is_signed(dtype) {
+    if !dtype.is_signed() {
         return finish(ops::floor_divide(&l, &r), a);
     }
     let zero = int_scalar(0, dtype)?;
@@ -46,7 +46,7 @@ pub fn remainder(x: &[&Array], a: &Term) -> Outputs {
         return finish(float_remainder(&l, &r), a);
     }
     check_divisor(&r)?;
-    if !is_signed(dtype) {
+    if !dtype.is_signed() {
         return finish(ops::remainder(&l, &r), a);
     }
     let zero = int_scalar(0, dtype)?;
@@ -95,7 +95,7 @@ fn abs(x: &Array) -> Result<Array> {
 
 pub fn population_count(x: &[&Array], a: &Term) -> Outputs {
     let dtype = x[0].dtype();
-    if !is_integer(dtype) {
+    if !dtype.is_integer() {
         return Err(format!("population_count needs an integer type, got {:?}", dtype.nx()));
     }
     let bits = ops::view(x[0], unsigned(dtype))?;
@@ -104,7 +104,7 @@ pub fn population_count(x: &[&Array], a: &Term) -> Outputs {
 
 pub fn count_leading_zeros(x: &[&Array], a: &Term) -> Outputs {
     let dtype = x[0].dtype();
-    if !is_integer(dtype) {
+    if !dtype.is_integer() {
         return Err(format!(
             "count_leading_zeros needs an integer type, got {:?}",
             dtype.nx()

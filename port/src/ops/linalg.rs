@@ -7,7 +7,7 @@
 //! the client (Nx's default implementations).
 
 use super::compose::{count, expand, squeeze, swap_last, unsigned};
-use super::convert::{float_scalar, int_scalar, is_integer};
+use super::convert::{float_scalar, int_scalar};
 use super::{attrs, finish, to_out_type, Outputs};
 use crate::mlx::{ops, Array, Dtype, Result};
 use crate::term::Term;
@@ -57,7 +57,7 @@ pub fn dot(x: &[&Array], a: &Term) -> Outputs {
     let l3 = ops::reshape(&ops::transpose(&l, &[ba, fa, ca].concat())?, &[b, m, k])?;
     let r3 = ops::reshape(&ops::transpose(&r, &[bb, cb, fb].concat())?, &[b, k, n])?;
     let product = match l.dtype() {
-        t if is_integer(t) => exact_int_matmul(&l3, &r3, k)?,
+        t if t.is_integer() => exact_int_matmul(&l3, &r3, k)?,
         // Half floats accumulate in f32 and round once, as Nx's do. MLX's
         // CUDA GEMMs (cuBLAS) do that themselves, at the tensor cores' rate.
         Dtype::F16 | Dtype::Bf16 if !crate::mlx::on_gpu() => {

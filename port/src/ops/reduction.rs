@@ -1,7 +1,7 @@
 //! Reductions over axes, cumulative ops, sorting, and the blocks built on
 //! them (all_close, top_k).
 
-use super::convert::{cast, float_scalar, int_scalar, is_complex, is_integer, nonzero};
+use super::convert::{cast, float_scalar, int_scalar, nonzero};
 use super::{attrs, finish, to_out_type, Outputs};
 use crate::mlx::{ops, Array, Dtype, Result};
 use crate::term::Term;
@@ -33,7 +33,7 @@ reduce! {
 pub fn product(x: &[&Array], a: &Term) -> Outputs {
     let (axes, keep) = axes_and_keep(a)?;
     let t = to_out_type(x[0], a)?;
-    if is_complex(t.dtype()) {
+    if t.dtype().is_complex() {
         return finish(super::nx_complex::product(&t, &axes, keep), a);
     }
     finish(ops::prod(&t, &axes, keep), a)
@@ -247,14 +247,14 @@ pub fn all_close(x: &[&Array], a: &Term) -> Outputs {
     let equal_nan = attrs::boolean(attrs::field(a, "equal_nan")?)?;
     let compute = || -> Result<Array> {
         let (l, r) = (cast(x[0], t)?, cast(x[1], t)?);
-        let real = if is_complex(t) { Dtype::F32 } else { t };
+        let real = if t.is_complex() { Dtype::F32 } else { t };
         let diff = ops::abs(&ops::subtract(&l, &r)?)?;
         let tol = ops::add(
             &float_scalar(atol, real)?,
             &ops::multiply(&float_scalar(rtol, real)?, &ops::abs(&r)?)?,
         )?;
         let mut close = ops::less_equal(&diff, &tol)?;
-        if !is_integer(t) {
+        if !t.is_integer() {
             let inf = ops::logical_or(&ops::isinf(&l)?, &ops::isinf(&r)?)?;
             close = ops::where_(&inf, &ops::equal(&l, &r)?, &close)?;
             if equal_nan {

@@ -178,7 +178,6 @@ impl Session {
             Ok(Command::Eval) => self.eval(&req),
             Ok(Command::AsyncEval) => self.async_eval(&req),
             Ok(Command::Metadata) => self.metadata(&req),
-            Ok(Command::Sync) => self.reply(req.seq, Term::atom("nil")),
             Ok(Command::Release) => {
                 for id in &req.ins {
                     self.registry.release(*id);

@@ -869,7 +869,6 @@ fn outs_of(op: &str, rng: &mut Rng) -> u64 {
     let usual = match op {
         "qr" | "eigh" | "top_k" => 2,
         "svd" | "lu" => 3,
-        "to_batched" => 1 + rng.below(3) as u64,
         _ => 1,
     };
     if rng.chance(30) {

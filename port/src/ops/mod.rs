@@ -82,7 +82,6 @@ const TABLE: &[Entry] = &[
     ("select", N(3), shape::select),
     ("clip", N(3), shape::clip),
     ("copy", N(1), shape::copy),
-    ("to_batched", N(1), shape::to_batched),
     // element-wise
     ("add", N(2), elementwise::add),
     ("subtract", N(2), elementwise::subtract),

@@ -142,47 +142,6 @@ pub fn clip(x: &[&Array], a: &Term) -> Outputs {
     finish(clipped(), a)
 }
 
-/// `x` split along axis 0 into batches of `batch_size`; with
-/// `leftover: :repeat` the last batch wraps around to the start.
-pub fn to_batched(x: &[&Array], a: &Term) -> Outputs {
-    let size = attrs::int(attrs::field(a, "batch_size")?)?;
-    let repeat = attrs::field(a, "leftover")?.is_atom("repeat");
-    let shape = x[0].shape();
-    let Some(&n) = shape.first() else {
-        return Err("cannot batch a scalar".into());
-    };
-    if size <= 0 {
-        return Err(format!("batch size must be positive, got {size}"));
-    }
-    let batches = |src: &Array, count: i32| -> Result<Vec<Array>> {
-        (0..count)
-            .map(|i| {
-                let mut start = vec![0; shape.len()];
-                let mut stop = shape.clone();
-                start[0] = i * size;
-                stop[0] = (i + 1) * size;
-                ops::slice(src, &start, &stop, &vec![1; shape.len()])
-            })
-            .collect()
-    };
-    let full = n / size;
-    let missing = (size - n % size) % size;
-    let result = if repeat && missing > 0 {
-        let mut head_stop = shape.clone();
-        head_stop[0] = missing;
-        let head = ops::slice(x[0], &vec![0; shape.len()], &head_stop, &vec![1; shape.len()]);
-        head.and_then(|h| ops::concatenate(&[x[0], &h], 0))
-            .and_then(|wrapped| batches(&wrapped, full + 1))
-    } else {
-        batches(x[0], full)
-    };
-    let arrays = result.map_err(|e| e.message)?;
-    arrays
-        .into_iter()
-        .map(|b| finish(Ok(b), a).map(|mut v| v.remove(0)))
-        .collect()
-}
-
 /// Another handle to the same (immutable) array.
 pub fn copy(x: &[&Array], a: &Term) -> Outputs {
     finish(x[0].share(), a)

@@ -12,20 +12,6 @@ defmodule Moat.SealedReadbackTest do
 
   defp bytes(n), do: :crypto.strong_rand_bytes(n)
 
-  # How `to_binary` read the tensor (`:transfer` in its telemetry).
-  defp read_back(ref) do
-    id = "sealed-#{System.unique_integer([:positive])}"
-    :telemetry.attach(id, [:moat, :to_binary, :stop], &Moat.Case.forward_event/4, self())
-
-    try do
-      data = Moat.to_binary(ref)
-      assert_received {:telemetry, [:moat, :to_binary, :stop], _, %{transfer: transfer}}
-      {transfer, data}
-    after
-      :telemetry.detach(id)
-    end
-  end
-
   defp readback_files(worker) do
     worker |> os_pid() |> Reliability.open_fds() |> Enum.count(fn {_, target} -> target =~ "moat-readback" end)
   end

@@ -11,20 +11,6 @@ defmodule Moat.TransferTest do
 
   defp bytes(n), do: :crypto.strong_rand_bytes(n)
 
-  # How `to_binary` read the tensor (`:transfer` in its telemetry).
-  defp read_back(ref) do
-    id = "transfer-#{System.unique_integer([:positive])}"
-    :telemetry.attach(id, [:moat, :to_binary, :stop], &Moat.Case.forward_event/4, self())
-
-    try do
-      data = Moat.to_binary(ref)
-      assert_received {:telemetry, [:moat, :to_binary, :stop], _, %{transfer: transfer}}
-      {transfer, data}
-    after
-      :telemetry.detach(id)
-    end
-  end
-
   # Memory files the worker has open (uploads in flight, tensors over a
   # file, and files kept for reuse).
   defp memory_files(worker) do

@@ -72,6 +72,20 @@ defmodule Moat.Case do
     ExUnit.Callbacks.on_exit(fn -> :telemetry.detach(id) end)
   end
 
+  @doc "Reads `ref` back: `{transfer, bytes}`, `transfer` being how `to_binary` read it (its telemetry's `:transfer`)."
+  def read_back(ref) do
+    id = "read-back-#{System.unique_integer([:positive])}"
+    :telemetry.attach(id, [:moat, :to_binary, :stop], &__MODULE__.forward_event/4, self())
+
+    try do
+      data = Moat.to_binary(ref)
+      assert_received {:telemetry, [:moat, :to_binary, :stop], _, %{transfer: transfer}}
+      {transfer, data}
+    after
+      :telemetry.detach(id)
+    end
+  end
+
   @doc false
   def forward_event(event, measurements, metadata, pid) do
     send(pid, {:telemetry, event, measurements, metadata})

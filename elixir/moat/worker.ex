@@ -375,6 +375,11 @@ defmodule Moat.Worker do
       waiting == 0 ->
         {:noreply, %{state | progress: {cpu, now_ms()}}}
 
+      # A machine too busy to run the worker stops its progress too; a
+      # runnable thread is starved, not hung (a hung call sleeps).
+      state.hung == nil and now_ms() - at > limit and runnable?(conn.info.os_pid) ->
+        {:noreply, %{state | progress: {cpu, now_ms()}}}
+
       state.hung == nil and now_ms() - at > limit ->
         hung = "hung: no progress for #{now_ms() - at} ms with #{waiting} call(s) waiting; killed by the watchdog"
         Logger.error("Moat worker #{inspect(conn.name)} (generation #{conn.generation}) #{hung}")
@@ -410,6 +415,30 @@ defmodule Moat.Worker do
   end
 
   def handle_info(_other, state), do: {:noreply, state}
+
+  # Whether any thread of the OS process is running or waiting for a CPU
+  # (state R in /proc). Where /proc is not there, nothing counts as runnable.
+  @doc false
+  @spec runnable?(non_neg_integer()) :: boolean()
+  def runnable?(os_pid) do
+    case File.ls("/proc/#{os_pid}/task") do
+      {:ok, tids} -> Enum.any?(tids, &(thread_state("/proc/#{os_pid}/task/#{&1}/stat") == "R"))
+      {:error, _} -> false
+    end
+  end
+
+  # The state follows the command, which is in parentheses and may itself
+  # hold spaces or parentheses: it is the byte after the last ") ".
+  defp thread_state(path) do
+    with {:ok, stat} <- File.read(path),
+         [_ | _] = found <- :binary.matches(stat, ") "),
+         {at, 2} = List.last(found),
+         true <- byte_size(stat) > at + 2 do
+      binary_part(stat, at + 2, 1)
+    else
+      _ -> nil
+    end
+  end
 
   @impl true
   def handle_call({:await_ack, target}, from, state) do

@@ -90,4 +90,19 @@ defmodule Moat.Reliability.WatchdogTest do
     assert {:ok, _, _} = Client.call(Client.conn(worker), :sync, [], nil)
     assert Moat.Worker.info(worker).generation == g
   end
+
+  test "a starved worker is not a hung one: runnable threads are read from /proc" do
+    busy = Port.open({:spawn, "sh -c 'while :; do :; done'"}, [])
+    sleeping = Port.open({:spawn, "sleep 60"}, [])
+    {:os_pid, busy_pid} = Port.info(busy, :os_pid)
+    {:os_pid, sleeping_pid} = Port.info(sleeping, :os_pid)
+
+    try do
+      eventually(fn -> Moat.Worker.runnable?(busy_pid) end)
+      eventually(fn -> not Moat.Worker.runnable?(sleeping_pid) end)
+      refute Moat.Worker.runnable?(0)
+    after
+      System.cmd("kill", ["-KILL", "#{busy_pid}", "#{sleeping_pid}"])
+    end
+  end
 end

@@ -73,8 +73,10 @@ defmodule Moat.Worker do
       restarted (30 000; `false` turns it off; default from
       `config :moat, :watchdog`). Progress is what the worker reports: replies,
       acknowledgements, and the CPU time it uses, which a long computation
-      keeps growing and a hung MLX call does not. Callers then get a
-      `Moat.Error` saying the worker hung.
+      keeps growing and a hung MLX call does not. A worker with a thread
+      waiting for a CPU (a machine too busy to run it) is starved, not
+      hung, and is left alone. Callers of a hung one get a `Moat.Error`
+      saying the worker hung.
     * `:cpu_kernels` - the worker's own CPU kernels of the f32/f16/bf16
       transcendentals: `:auto` (default: the widest the CPU has: AVX-512F,
       else AVX2 with FMA and F16C), `:scalar` (the portable fallback),

@@ -53,8 +53,10 @@ class Pool {
   // the pool is busy with another caller's job (or this is one of its
   // helpers): the caller then runs the job alone.
   bool run(Job job, size_t helpers) {
+    // A job started from inside a job (either side of it) runs alone.
+    if (in_job() || helpers == 0 || helpers_.empty()) return false;
     std::unique_lock<std::mutex> use(use_, std::try_to_lock);
-    if (!use.owns_lock() || helpers == 0 || helpers_.empty()) return false;
+    if (!use.owns_lock()) return false;
     job_ = job;
     wanted_.store(std::min(helpers, helpers_.size()), std::memory_order_relaxed);
     closed_.store(false, std::memory_order_seq_cst);
@@ -63,10 +65,19 @@ class Pool {
       { std::lock_guard<std::mutex> lock(park_); }
       wake_.notify_all();
     }
-    job.run(job.ctx);
-    // Helpers that have not entered by now will not: their blocks are done.
+    std::exception_ptr failed;
+    in_job() = true;
+    try {
+      job.run(job.ctx);
+    } catch (...) {
+      failed = std::current_exception();
+    }
+    in_job() = false;
+    // Helpers that have not entered by now will not: their blocks are done
+    // (or, after a throw, abandoned). None may still hold job.ctx after this.
     closed_.store(true, std::memory_order_seq_cst);
     while (active_.load(std::memory_order_seq_cst) != 0) pause();
+    if (failed) std::rethrow_exception(failed);
     return true;
   }
 
@@ -80,6 +91,11 @@ class Pool {
     for (auto& t : helpers_) t.detach();
   }
 
+  static bool& in_job() {
+    thread_local bool flag = false;
+    return flag;
+  }
+
   static void pause() {
 #if defined(__x86_64__)
     __builtin_ia32_pause();
@@ -89,6 +105,7 @@ class Pool {
   }
 
   void loop() {
+    in_job() = true;
     uint64_t seen = gen_.load(std::memory_order_acquire);
     for (;;) {
       auto start = std::chrono::steady_clock::now();
@@ -140,7 +157,8 @@ class Pool {
 }  // namespace detail
 
 // Runs body(lo, hi) over [0, n) in blocks of `block`, on up to `threads`
-// threads (the caller and the pool's helpers).
+// threads (the caller and the pool's helpers). body must not throw: on a
+// helper that ends the process, as on a std::thread.
 template <typename Body>
 void parallel_blocks(size_t n, size_t block, size_t threads, Body&& body) {
   struct Ctx {

@@ -76,7 +76,14 @@ class Pool {
     // Helpers that have not entered by now will not: their blocks are done
     // (or, after a throw, abandoned). None may still hold job.ctx after this.
     closed_.store(true, std::memory_order_seq_cst);
-    while (active_.load(std::memory_order_seq_cst) != 0) pause();
+    // A helper preempted in its block holds this up: yield now and then.
+    for (unsigned spins = 0; active_.load(std::memory_order_seq_cst) != 0; ++spins) {
+      if ((spins & 63) == 63) {
+        std::this_thread::yield();
+      } else {
+        pause();
+      }
+    }
     if (failed) std::rethrow_exception(failed);
     return true;
   }

@@ -31,35 +31,8 @@ defmodule Bench.Models do
     acc
   end
 
-  # A transformer decoder block (pre-norm, d_model 512, 8 heads, causal
-  # attention, MLP 2048 with a sigmoid-GELU) on a {seq, 512} input: plain Nx
-  # calls, so the same function runs eagerly and jitted.
-  def decoder(x, p) do
-    {s, d} = Nx.shape(x)
-    heads = 8
-    dh = div(d, heads)
-    split = fn t -> t |> Nx.reshape({s, heads, dh}) |> Nx.transpose(axes: [1, 0, 2]) end
-    h = layer_norm(x, p.g1, p.b1)
-    {q, k, v} = {split.(Nx.dot(h, p.wq)), split.(Nx.dot(h, p.wk)), split.(Nx.dot(h, p.wv))}
-    scores = Nx.dot(q, [2], [0], k, [2], [0]) |> Nx.multiply(1 / :math.sqrt(dh))
-    causal = Nx.greater_equal(Nx.iota({s, s}, axis: 0), Nx.iota({s, s}, axis: 1))
-    scores = Nx.select(Nx.broadcast(causal, {heads, s, s}), scores, -1.0e9)
-    e = Nx.exp(Nx.subtract(scores, Nx.reduce_max(scores, axes: [2], keep_axes: true)))
-    probs = Nx.divide(e, Nx.sum(e, axes: [2], keep_axes: true))
-    attn = Nx.dot(probs, [2], [0], v, [1], [0]) |> Nx.transpose(axes: [1, 0, 2]) |> Nx.reshape({s, d})
-    x = Nx.add(x, Nx.dot(attn, p.wo))
-    h = layer_norm(x, p.g2, p.b2)
-    up = Nx.add(Nx.dot(h, p.w1), p.c1)
-    gelu = Nx.multiply(up, Nx.sigmoid(Nx.multiply(up, 1.702)))
-    Nx.add(x, Nx.add(Nx.dot(gelu, p.w2), p.c2))
-  end
-
-  defp layer_norm(x, g, b) do
-    mean = Nx.mean(x, axes: [1], keep_axes: true)
-    centered = Nx.subtract(x, mean)
-    var = Nx.mean(Nx.multiply(centered, centered), axes: [1], keep_axes: true)
-    Nx.add(Nx.multiply(Nx.multiply(centered, Nx.rsqrt(Nx.add(var, 1.0e-5))), g), b)
-  end
+  # The decoder block (bench/support.exs), plain Nx calls.
+  defdelegate decoder(x, p), to: Bench.Decoder, as: :block
 
   # SMACOF multidimensional scaling (Guttman transform), as Scholar's MDS
   # iterates it: 300 iterations of a while loop over 100 points in 2-d.
@@ -136,20 +109,7 @@ Bench.row(["Nx.Defn.Evaluator on Moat", Bench.fmt(best.(:evaluator)), Bench.rati
 Bench.row(["Nx.Defn.Evaluator on Nx.BinaryBackend", Bench.fmt(binary_mlp), Bench.ratio(binary_mlp, best.(:jit))])
 
 # The decoder block at sequence 1 (a decode step) and 128.
-weight_shapes = %{
-  g1: {512},
-  b1: {512},
-  wq: {512, 512},
-  wk: {512, 512},
-  wv: {512, 512},
-  wo: {512, 512},
-  g2: {512},
-  b2: {512},
-  w1: {512, 2048},
-  c1: {2048},
-  w2: {2048, 512},
-  c2: {512}
-}
+weight_shapes = Bench.Decoder.weight_shapes()
 
 bin_weights =
   weight_shapes

@@ -1,15 +1,29 @@
 # The worker's CPU kernels of the transcendentals (f32 and bf16, 1M
 # elements), softmax of {8, 128, 128} and GELU of {128, 2048}, next to numpy
 # in the same run, through each kernel set the CPU has (the default worker
-# takes the widest), the scalar fallback and MLX's own kernels; `add` (MLX's own kernel) shows
-# what any 1M-element op costs in the worker. Run
-# with bin/bench (mix run -r bench/support.exs bench/kernels.exs). Each Moat
-# time is the op plus an eval in the worker (no readback); medians of
-# interleaved rounds; the machine is noisy, so compare ratios within one run.
+# takes the widest), the scalar fallback and MLX's own kernels; `add` (MLX's
+# own kernel) shows what any 1M-element op costs in the worker. Then the
+# decoder block of bench/compiler.exs, eager at sequence 128, on the default
+# worker and on one with MLX's own kernels. Run with bin/bench (mix run -r
+# bench/support.exs bench/kernels.exs).
+#
+# MOAT_BENCH_BASELINE=PATH adds a column from a worker of that executable
+# (e.g. main's build), for a before/after in the same run.
+#
+# What each time is (medians of interleaved rounds; the machine is noisy, so
+# compare ratios within one run):
+#   * "per op": 8 independent ops on the same input, built and then
+#     evaluated by one `Moat.eval/1`, divided by 8: the op as numpy's
+#     is timed (one call that allocates its output and computes it), with
+#     one request's round trip and thread wake-ups shared by the batch.
+#   * "one op + eval": one op and its own `Moat.eval/1` (no readback): what
+#     an eager caller that waits for each result pays.
+#   * numpy: one call (`np.exp(x)`), which allocates and computes.
 
 import Bench
 
-rounds = 30
+rounds = String.to_integer(System.get_env("MOAT_BENCH_ROUNDS", "30"))
+batch = 8
 Moat.Worker.start_link(name: :bench_scalar, cpu_kernels: :scalar)
 Moat.Worker.start_link(name: :bench_mlx, cpu_kernels: :mlx)
 info = Moat.Worker.info()
@@ -66,7 +80,12 @@ cases = [
   {"gelu_erf", &gelu_erf.(&1.g)}
 ]
 
-workers = [Moat.Worker, :bench_scalar, :bench_mlx] ++ if(avx2?, do: [:bench_avx2], else: [])
+baseline = System.get_env("MOAT_BENCH_BASELINE")
+if baseline, do: {:ok, _} = Moat.Worker.start_link(name: :bench_base, worker_path: baseline)
+
+workers =
+  [Moat.Worker, :bench_scalar, :bench_mlx] ++
+    if(avx2?, do: [:bench_avx2], else: []) ++ if(baseline, do: [:bench_base], else: [])
 
 runs =
   for worker <- workers,
@@ -74,15 +93,23 @@ runs =
       type == :f32 or worker == Moat.Worker,
       do: {worker, type, inputs.(worker, type)}
 
-time = fn f, data -> time_us(fn -> f.(data).data.ref |> Moat.eval() end) end
+one = fn f, data -> time_us(fn -> Moat.eval(f.(data)) end) end
+per_op = fn f, data -> time_us(fn -> Moat.eval(for _ <- 1..batch, do: f.(data)) end) / batch end
 # Warm up, then interleave every case and run in each round.
-for {_, f} <- cases, {_, _, data} <- runs, do: time.(f, data)
+for {_, f} <- cases, {_, _, data} <- runs, do: per_op.(f, data)
 
 times =
   for _ <- 1..rounds, {name, f} <- cases, {worker, type, data} <- runs, reduce: %{} do
     acc ->
-      t = time.(f, data)
-      Map.update(acc, {name, worker, type}, [t], &[t | &1])
+      t = per_op.(f, data)
+      acc = Map.update(acc, {name, worker, type}, [t], &[t | &1])
+
+      if worker == Moat.Worker and type == :f32 do
+        t = one.(f, data)
+        Map.update(acc, {name, :one}, [t], &[t | &1])
+      else
+        acc
+      end
   end
 
 python = System.get_env("MOAT_BENCH_PYTHON", "python3")
@@ -92,23 +119,31 @@ numpy = Map.new(rows, fn [k, s] -> {k, String.to_float(s) * 1_000_000} end)
 
 ms = fn us -> fmt(us / 1000) end
 IO.puts("### CPU kernels (ms, median of #{rounds}; numpy #{numpy_version} in the same run)\n")
-IO.puts("1,048,576 elements; softmax of {8, 128, 128} over the last axis; GELU of {128, 2048}.\n")
-avx2_head = if avx2?, do: ["Moat f32, avx2"], else: []
+
+IO.puts(
+  "1,048,576 elements; softmax of {8, 128, 128} over the last axis; GELU of {128, 2048}. " <>
+    "Moat columns are per op in a batch of #{batch} unless named \"one op + eval\".\n"
+)
+
+avx2_head =
+  if(avx2?, do: ["Moat f32, avx2"], else: []) ++ if(baseline, do: ["Moat f32, baseline worker"], else: [])
 
 row(
-  ["op", "Moat f32 (#{info.cpu})", "Moat bf16"] ++
+  ["op", "Moat f32 (#{info.cpu})", "Moat f32, one op + eval", "Moat bf16"] ++
     avx2_head ++ ["Moat f32, scalar", "MLX's own f32", "MLX / Moat", "numpy f32", "numpy / Moat"]
 )
 
-row(["---" | List.duplicate("---:", 7 + length(avx2_head))])
+row(["---" | List.duplicate("---:", 8 + length(avx2_head))])
 
 for {name, _} <- cases do
   m = median(times[{name, Moat.Worker, :f32}])
   np = numpy[name]
-  avx2 = if avx2?, do: [ms.(median(times[{name, :bench_avx2, :f32}]))], else: []
+
+  avx2 =
+    for w <- [:bench_avx2, :bench_base], Map.has_key?(times, {name, w, :f32}), do: ms.(median(times[{name, w, :f32}]))
 
   row(
-    ["`#{name}`", ms.(m), ms.(median(times[{name, Moat.Worker, :bf16}]))] ++
+    ["`#{name}`", ms.(m), ms.(median(times[{name, :one}])), ms.(median(times[{name, Moat.Worker, :bf16}]))] ++
       avx2 ++
       [
         ms.(median(times[{name, :bench_scalar, :f32}])),
@@ -120,3 +155,41 @@ for {name, _} <- cases do
       ]
   )
 end
+
+# The decoder block, eager at sequence 128, with the worker's kernels and
+# with MLX's own: the call and a readback of its {128, 512} result.
+block_weights = fn worker ->
+  Map.new(Bench.Decoder.weight_shapes(), fn {k, shape} ->
+    w =
+      Nx.iota(shape, type: :f32, backend: {Moat.Backend, worker: worker})
+      |> Nx.multiply(0.618)
+      |> Nx.sin()
+      |> Nx.multiply(0.05)
+
+    {k, w}
+  end)
+end
+
+blocks =
+  for worker <- [Moat.Worker, :bench_mlx] ++ if(baseline, do: [:bench_base], else: []) do
+    x = Nx.iota({128, 512}, type: :f32, backend: {Moat.Backend, worker: worker}) |> Nx.multiply(0.37) |> Nx.sin()
+    {worker, x, block_weights.(worker)}
+  end
+
+block = fn x, w -> time_us(fn -> Nx.to_binary(Bench.Decoder.block(x, w)) end) end
+for {_, x, w} <- blocks, do: block.(x, w)
+
+block_times =
+  for _ <- 1..rounds, {worker, x, w} <- blocks, reduce: %{} do
+    acc ->
+      t = block.(x, w)
+      Map.update(acc, worker, [t], &[t | &1])
+  end
+
+[ours, mlx] = for worker <- [Moat.Worker, :bench_mlx], do: median(block_times[worker])
+base = if baseline, do: [ms.(median(block_times[:bench_base]))], else: []
+IO.puts("\nDecoder block of bench/compiler.exs, eager, sequence 128 (ms, median of #{rounds}, call + readback):\n")
+base_head = if baseline, do: ["baseline worker"], else: []
+row(["", "Moat (#{info.cpu} kernels)", "Moat with MLX's own kernels", "MLX's / ours"] ++ base_head)
+row(["---", "---:", "---:", "---:"] ++ Enum.map(base_head, fn _ -> "---:" end))
+row(["decoder block, seq 128", ms.(ours), ms.(mlx), ratio(mlx, ours)] ++ base)

@@ -30,3 +30,54 @@ defmodule Bench do
 
   def ratio(a, b), do: "#{fmt(a / b)}×"
 end
+
+# The transformer decoder block of the compiler issue, for bench/compiler.exs
+# and bench/kernels.exs.
+defmodule Bench.Decoder do
+  def weight_shapes do
+    %{
+      g1: {512},
+      b1: {512},
+      wq: {512, 512},
+      wk: {512, 512},
+      wv: {512, 512},
+      wo: {512, 512},
+      g2: {512},
+      b2: {512},
+      w1: {512, 2048},
+      c1: {2048},
+      w2: {2048, 512},
+      c2: {512}
+    }
+  end
+
+  # The block (pre-norm, d_model 512, 8 heads, causal attention, MLP 2048
+  # with a sigmoid-GELU) on a {seq, 512} input: plain Nx calls, so the same
+  # function runs eagerly and jitted.
+  def block(x, p) do
+    {s, d} = Nx.shape(x)
+    heads = 8
+    dh = div(d, heads)
+    split = fn t -> t |> Nx.reshape({s, heads, dh}) |> Nx.transpose(axes: [1, 0, 2]) end
+    h = layer_norm(x, p.g1, p.b1)
+    {q, k, v} = {split.(Nx.dot(h, p.wq)), split.(Nx.dot(h, p.wk)), split.(Nx.dot(h, p.wv))}
+    scores = Nx.dot(q, [2], [0], k, [2], [0]) |> Nx.multiply(1 / :math.sqrt(dh))
+    causal = Nx.greater_equal(Nx.iota({s, s}, axis: 0), Nx.iota({s, s}, axis: 1))
+    scores = Nx.select(Nx.broadcast(causal, {heads, s, s}), scores, -1.0e9)
+    e = Nx.exp(Nx.subtract(scores, Nx.reduce_max(scores, axes: [2], keep_axes: true)))
+    probs = Nx.divide(e, Nx.sum(e, axes: [2], keep_axes: true))
+    attn = Nx.dot(probs, [2], [0], v, [1], [0]) |> Nx.transpose(axes: [1, 0, 2]) |> Nx.reshape({s, d})
+    x = Nx.add(x, Nx.dot(attn, p.wo))
+    h = layer_norm(x, p.g2, p.b2)
+    up = Nx.add(Nx.dot(h, p.w1), p.c1)
+    gelu = Nx.multiply(up, Nx.sigmoid(Nx.multiply(up, 1.702)))
+    Nx.add(x, Nx.add(Nx.dot(gelu, p.w2), p.c2))
+  end
+
+  defp layer_norm(x, g, b) do
+    mean = Nx.mean(x, axes: [1], keep_axes: true)
+    centered = Nx.subtract(x, mean)
+    var = Nx.mean(Nx.multiply(centered, centered), axes: [1], keep_axes: true)
+    Nx.add(Nx.multiply(Nx.multiply(centered, Nx.rsqrt(Nx.add(var, 1.0e-5))), g), b)
+  end
+end

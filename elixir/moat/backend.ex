@@ -91,8 +91,9 @@ defmodule Moat.Backend do
       is more accurate than Nx.BinaryBackend's approximation (~3e-8).
     * f32, f16 and bf16 `exp`, `expm1`, `log`, `log1p`, `tanh`, `sigmoid`,
       `erf`, `erfc`, `sin`, `cos`, `rsqrt` and `pow` run on the worker's own
-      vectorized CPU kernels (SLEEF; the set is chosen from what the CPU
-      reports and named in the hello's `cpu`), computed in f32 over the
+      vectorized CPU kernels (SLEEF, with `tanh` and `erf` of their own;
+      the set is chosen from what the CPU reports and named in the hello's
+      `cpu`), computed in f32 over the
       whole range, denormals included: within 1 ulp of the exact result
       (`sigmoid` 3, `erfc` 2, `rsqrt` 1.5; `sin`/`cos` at any magnitude);
       f16 and bf16 results are the f32 result rounded once. Other math

@@ -31,8 +31,9 @@ const char* const kNames[k::OP_COUNT + 1] = {
     "MoatErf", "MoatErfc", "MoatSin", "MoatCos", "MoatRsqrt", "MoatPow", "MoatPow",
 };
 
-// Elements below which one more thread costs more than it saves: ~20 us to
-// start a thread against ~0.5 ns (exp) to ~15 ns (erfc) an element.
+// Elements below which one more thread costs more than it saves: a few us
+// to hand blocks to a pool helper that is spinning (parallel.hpp), 20-80 us
+// to wake a parked one, against ~0.4 ns (exp) to ~3 ns (erfc) an element.
 size_t min_per_thread(k::Op op) {
   switch (op) {
     case k::EXP: case k::SIGMOID: case k::RSQRT: case k::SIN: case k::COS: case k::POW_SCALAR: return 1 << 16;

@@ -17,7 +17,6 @@ __m256 Sleef_expf8_u10avx2(__m256);
 __m256 Sleef_expm1f8_u10avx2(__m256);
 __m256 Sleef_logf8_u10avx2(__m256);
 __m256 Sleef_log1pf8_u10avx2(__m256);
-__m256 Sleef_tanhf8_u10avx2(__m256);
 __m256 Sleef_erfcf8_u15avx2(__m256);
 __m256 Sleef_sinf8_u10avx2(__m256);
 __m256 Sleef_cosf8_u10avx2(__m256);
@@ -51,7 +50,6 @@ V exp_(V x) { return Sleef_expf8_u10avx2(x); }
 V expm1_(V x) { return Sleef_expm1f8_u10avx2(x); }
 V log_(V x) { return Sleef_logf8_u10avx2(x); }
 V log1p_(V x) { return Sleef_log1pf8_u10avx2(x); }
-V tanh_(V x) { return Sleef_tanhf8_u10avx2(x); }
 V erfc_(V x) { return Sleef_erfcf8_u15avx2(x); }
 V sin_(V x) { return Sleef_sinf8_u10avx2(x); }
 V cos_(V x) { return Sleef_cosf8_u10avx2(x); }

@@ -21,7 +21,6 @@ __m512 Sleef_expf16_u10avx512f(__m512);
 __m512 Sleef_expm1f16_u10avx512f(__m512);
 __m512 Sleef_logf16_u10avx512f(__m512);
 __m512 Sleef_log1pf16_u10avx512f(__m512);
-__m512 Sleef_tanhf16_u10avx512f(__m512);
 __m512 Sleef_erfcf16_u15avx512f(__m512);
 __m512 Sleef_sinf16_u10avx512f(__m512);
 __m512 Sleef_cosf16_u10avx512f(__m512);
@@ -56,7 +55,6 @@ V exp_(V x) { return Sleef_expf16_u10avx512f(x); }
 V expm1_(V x) { return Sleef_expm1f16_u10avx512f(x); }
 V log_(V x) { return Sleef_logf16_u10avx512f(x); }
 V log1p_(V x) { return Sleef_log1pf16_u10avx512f(x); }
-V tanh_(V x) { return Sleef_tanhf16_u10avx512f(x); }
 V erfc_(V x) { return Sleef_erfcf16_u15avx512f(x); }
 V sin_(V x) { return Sleef_sinf16_u10avx512f(x); }
 V cos_(V x) { return Sleef_cosf16_u10avx512f(x); }

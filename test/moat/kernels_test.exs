@@ -30,7 +30,7 @@ defmodule Moat.KernelsTest do
     expm1: [{:infinity, :infinity}, {:neg_infinity, -1.0}, {:nan, :nan}, {-0.0, -0.0}],
     log: [{0.0, :neg_infinity}, {-0.0, :neg_infinity}, {-1.0, :nan}, {:infinity, :infinity}, {:nan, :nan}],
     log1p: [{-1.0, :neg_infinity}, {-2.0, :nan}, {:infinity, :infinity}, {-0.0, -0.0}],
-    tanh: [{:infinity, 1.0}, {:neg_infinity, -1.0}, {:nan, :nan}, {-0.0, -0.0}],
+    tanh: [{:infinity, 1.0}, {:neg_infinity, -1.0}, {:nan, :nan}, {-0.0, -0.0}, {9.5, 1.0}, {-30.0, -1.0}],
     sigmoid: [{:infinity, 1.0}, {:neg_infinity, 0.0}, {:nan, :nan}, {-0.0, 0.5}],
     erf: [{:infinity, 1.0}, {:neg_infinity, -1.0}, {:nan, :nan}, {-0.0, -0.0}],
     erfc: [{:infinity, 0.0}, {:neg_infinity, 2.0}, {:nan, :nan}, {11.0, 0.0}],
@@ -79,6 +79,26 @@ defmodule Moat.KernelsTest do
 
       assert worst <= bound + 1.0e-6,
              "#{op} #{inspect(type)}: #{worst} ulp; histogram #{inspect(Enum.sort(histogram))} exceeds #{bound}"
+    end
+  end
+
+  # The vector tanh switches from its polynomial to 1 - 2 / (e^2t + 1) at
+  # 0.625 and clamps t at 9.5: every f32 within 2048 of those (and their
+  # negatives) keeps the bound.
+  for worker <- @workers do
+    test "tanh of every f32 next to the vector kernel's switch points through #{inspect(worker)}" do
+      xs =
+        for at <- [0.625, 9.5], <<bits::32-native>> = <<at::float-32-native>>, d <- -2048..2048, sign <- [1, -1] do
+          <<x::float-32-native>> = <<bits + d::32-native>>
+          sign * x
+        end
+
+      got = Nx.tensor(xs, type: :f32, backend: {Moat.Backend, worker: unquote(worker)}) |> Nx.tanh()
+      exact = exact(:tanh, Nx.tensor(xs, type: :f32, backend: Nx.BinaryBackend))
+
+      for {x, g, e} <- Enum.zip([xs, Nx.to_flat_list(got), exact]) do
+        assert ulps(g, e, {:f, 32}) <= 1.0, "tanh(#{x}) = #{g}, exact #{e}"
+      end
     end
   end
 

@@ -15,6 +15,17 @@ defmodule Moat.Backend do
   backends or other workers that meet a Moat tensor in an op are copied into
   its worker first.
 
+  Small tensors (at most 256 bytes) made from BEAM data keep a copy of their
+  bytes, and so do the results of exact integer ops on such values (`add`,
+  `subtract`, `multiply`, bitwise, logical, and `min`, `max` and the
+  comparisons where both sides fit the type they are ordered in), which are
+  computed on the BEAM as well as sent. Reading one (`Nx.to_number/1`, a
+  `while` condition of `Nx.Defn.Evaluator`) takes no round trip; a handle
+  that was deallocated, released by a closed `Moat.scope/1`, or is of an
+  earlier worker incarnation takes it, and raises as always. Such a read
+  answers with the value even where the worker refused to hold the tensor
+  (its memory limit): the worker ops that use it fail, and say so when read.
+
   ## Across nodes
 
   A tensor belongs to one worker incarnation (one start of one worker, on

@@ -476,13 +476,17 @@ defmodule Moat.Backend do
       # MLX arrays are immutable: the copy is a new id for the same array.
       op(tensor, :copy, [tensor], %{})
     else
-      from_binary(tensor, read(tensor), opts)
+      from_binary(tensor, values(tensor), opts)
     end
   end
 
   def backend_copy(tensor, backend, opts) do
-    backend.from_binary(tensor, read(tensor), opts)
+    backend.from_binary(tensor, values(tensor), opts)
   end
+
+  # The tensor's data in Nx's layout, from its `host` bytes where a read may
+  # take them (`host_bytes/1`), else from the worker.
+  defp values(tensor), do: host_bytes(tensor) || read(tensor)
 
   # A tensor of another node's worker is copied into this node's, once.
   @impl true

@@ -99,6 +99,9 @@ defmodule Moat.HostOpsTest do
     counter = Nx.add(moat(Nx.tensor(41)), 1)
     assert replies(fn -> assert Nx.to_number(Nx.less(counter, 50)) == 1 end) == 0
     assert replies(fn -> assert Nx.to_number(counter) == 42 end) == 0
+    copy = Nx.backend_copy(counter, Nx.BinaryBackend)
+    assert replies(fn -> assert copy.data.state == <<42::signed-native-32>> end) == 0
+    assert replies(fn -> Nx.backend_transfer(Nx.add(counter, 1), Nx.BinaryBackend) end) == 0
     # The count sees a round trip when there is one.
     assert replies(fn -> assert worker_bytes(counter) == <<42::signed-native-32>> end) == 1
   end
@@ -144,6 +147,7 @@ defmodule Moat.HostOpsTest do
       Nx.backend_deallocate(t)
       error = assert_raise Moat.Error, fn -> Nx.to_binary(t) end
       assert error.reason == :deallocated
+      assert_raise Moat.Error, ~r/deallocated/, fn -> Nx.backend_copy(t, Nx.BinaryBackend) end
     end
 
     test "a Moat.scope/1 release: of the value, and of an input" do

@@ -15,6 +15,17 @@ defmodule Moat.Backend do
   backends or other workers that meet a Moat tensor in an op are copied into
   its worker first.
 
+  Small tensors (at most 256 bytes) made from BEAM data keep a copy of their
+  bytes, and so do the results of exact integer ops on such values (`add`,
+  `subtract`, `multiply`, bitwise, logical, and `min`, `max` and the
+  comparisons where both sides fit the type they are ordered in), which are
+  computed on the BEAM as well as sent. Reading one (`Nx.to_number/1`, a
+  `while` condition of `Nx.Defn.Evaluator`) takes no round trip; a handle
+  that was deallocated, released by a closed `Moat.scope/1`, or is of an
+  earlier worker incarnation takes it, and raises as always. Such a read
+  answers with the value even where the worker refused to hold the tensor
+  (its memory limit): the worker ops that use it fail, and say so when read.
+
   ## Across nodes
 
   A tensor belongs to one worker incarnation (one start of one worker, on
@@ -277,19 +288,23 @@ defmodule Moat.Backend do
   @emulated Moat.Types.emulated()
 
   @enforce_keys [:ref]
-  defstruct [:ref, device: :cpu, quant: nil, host: nil]
+  defstruct [:ref, device: :cpu, quant: nil, host: nil, host_scope: nil]
 
   # `quant`: a quantized weight's parameters (Moat.Quantized); `ref` is
   # then its packed bytes, never read as the tensor's values.
   # `host`: the tensor's bytes in Nx's layout when it was made from BEAM data
   # (`from_binary`, `constant`) and is small. The value checks Nx.BinaryBackend
   # makes at the call (indices in range, shift amounts, real atan2
-  # arguments) read it, so they raise at the call with no round trip.
+  # arguments) read it, so they raise at the call with no round trip; so do
+  # reads of the tensor (`host_bytes/1`), and exact integer ops on such
+  # values compute theirs here too (`with_host/3`). `host_scope`: the
+  # `Moat.scope/1` open when the bytes were kept (Moat.Scope.flag/0), or nil.
   @type t :: %__MODULE__{
           ref: Moat.Ref.t() | Moat.Compiler.Recorder.slot(),
           device: :cpu | :gpu,
           quant: Moat.Quantized.t() | nil,
-          host: bitstring() | nil
+          host: bitstring() | nil,
+          host_scope: Moat.Scope.flag() | nil
         }
 
   # The largest tensor (in bits) whose bytes a handle keeps.
@@ -318,7 +333,8 @@ defmodule Moat.Backend do
     gpu_type!(type, device, :from_binary)
     {stored_binary, dims, stored} = Types.to_storage(binary, Tuple.to_list(shape), type)
     ref = Moat.from_binary(stored_binary, dims, stored, worker: worker(opts))
-    %{wrap(out, ref, device) | data: %__MODULE__{ref: ref, device: device, host: host_copy(binary)}}
+    data = %__MODULE__{ref: ref, device: device, host: host_copy(binary), host_scope: Moat.Scope.flag()}
+    %{wrap(out, ref, device) | data: data}
   end
 
   defp host_copy(binary) when bit_size(binary) > @host_bits, do: nil
@@ -340,7 +356,7 @@ defmodule Moat.Backend do
 
     size = Nx.size(out)
     host = if size * bit_size(value) <= @host_bits, do: :binary.copy(value, size)
-    put_in(t.data.host, host)
+    %{t | data: %{t.data | host: host, host_scope: Moat.Scope.flag()}}
   end
 
   @impl true
@@ -370,18 +386,55 @@ defmodule Moat.Backend do
 
   def to_binary(%T{type: {_, bits}} = tensor, limit) do
     binary =
-      if limit < Nx.size(tensor) do
-        # Only the first `limit` elements leave the worker.
-        flat = reshape(%{tensor | shape: {Nx.size(tensor)}}, tensor)
-        head = slice(%{flat | shape: {limit}}, flat, [0], [limit], [1])
-        read_and_release([flat, head])
-      else
-        read(tensor)
+      cond do
+        # The values are here (see `host`): no round trip.
+        host = host_bytes(tensor) ->
+          host
+
+        limit < Nx.size(tensor) ->
+          # Only the first `limit` elements leave the worker.
+          flat = reshape(%{tensor | shape: {Nx.size(tensor)}}, tensor)
+          head = slice(%{flat | shape: {limit}}, flat, [0], [limit], [1])
+          read_and_release([flat, head])
+
+        true ->
+          read(tensor)
       end
 
     size = min(bit_size(binary), limit * bits)
     <<head::bitstring-size(size), _::bitstring>> = binary
     head
+  end
+
+  # The tensor's `host` bytes where a read may answer from them: a type MLX
+  # has, and a handle whose release would make the round trip raise — one
+  # of its worker's running incarnation (a stale, remote or foreign handle
+  # is not), with a live token not released (`Nx.backend_deallocate/1`, a
+  # handle rebuilt without its token), made outside any `Moat.scope/1` or
+  # in one still open (a closed scope released its ids without marking
+  # their tokens). Otherwise the round trip, which raises as it should. The
+  # reader must be a creator its worker's releaser knows (Moat.Handles
+  # announces them under this key), so that its garbage is collected when
+  # it goes idle: a process that only reads handles others made takes the
+  # round trip, which announces it.
+  defp host_bytes(%T{type: type, shape: shape, data: %__MODULE__{host: host, ref: %Ref{} = ref} = data})
+       when is_bitstring(host) and type not in @emulated do
+    %Ref{worker: worker, incarnation: inc, token: token} = ref
+
+    if bit_size(host) == elem(type, 1) * Nx.size(shape) and Process.get({Moat.Releaser, worker}) != nil and
+         match?(%Client{incarnation: ^inc}, Client.current(worker)) and unreleased_token?(token) and
+         not Moat.Scope.closed?(data.host_scope),
+       do: host
+  end
+
+  defp host_bytes(_tensor), do: nil
+
+  defp unreleased_token?(nil), do: false
+
+  defp unreleased_token?(token) do
+    not Moat.Finalizer.released?(token)
+  rescue
+    ArgumentError -> false
   end
 
   defp read_and_release(tensors, read \\ &read/1) do
@@ -424,13 +477,17 @@ defmodule Moat.Backend do
       # MLX arrays are immutable: the copy is a new id for the same array.
       op(tensor, :copy, [tensor], %{})
     else
-      from_binary(tensor, read(tensor), opts)
+      from_binary(tensor, values(tensor), opts)
     end
   end
 
   def backend_copy(tensor, backend, opts) do
-    backend.from_binary(tensor, read(tensor), opts)
+    backend.from_binary(tensor, values(tensor), opts)
   end
+
+  # The tensor's data in Nx's layout, from its `host` bytes where a read may
+  # take them (`host_bytes/1`), else from the worker.
+  defp values(tensor), do: host_bytes(tensor) || read(tensor)
 
   # A tensor of another node's worker is copied into this node's, once.
   @impl true
@@ -571,7 +628,8 @@ defmodule Moat.Backend do
 
   for name <- @binary_ops do
     @impl true
-    def unquote(name)(out, a, b), do: op(out, unquote(name), [a, b], %{type: out.type})
+    def unquote(name)(out, a, b),
+      do: op(out, unquote(name), [a, b], %{type: out.type}) |> with_host(unquote(name), [a, b])
   end
 
   # Nx.BinaryBackend raises at the call on a negative shift amount and on a
@@ -632,8 +690,83 @@ defmodule Moat.Backend do
     @impl true
     def unquote(name)(out, a, b) do
       op(out, unquote(name), [a, b], %{type: out.type, input_type: Nx.Type.merge(a.type, b.type)})
+      |> with_host(unquote(name), [a, b])
     end
   end
+
+  # Integer ops whose results Nx.BinaryBackend and MLX compute bit for bit
+  # alike, by how each is exact (test/moat/host_ops_test.exs runs each both
+  # ways over every integer type's edge values):
+  #   * ring ops: the worker converts each input to the output type, then
+  #     computes modulo 2^bits; Nx.BinaryBackend computes on the exact values,
+  #     then wraps into the output type. Conversion and wrapping are both
+  #     reduction modulo 2^bits, which these ops commute with: any integer
+  #     types.
+  #   * order ops (min, max: in the output type; comparisons: in the merged
+  #     input type): only where every input's values all fit the type the
+  #     worker converts them to (u64 into s64 does not), so both order the
+  #     same numbers.
+  #   * logical ops: the worker tests each input for non-zero as it is, so
+  #     does Nx.BinaryBackend: any integer types.
+  # Not here: quotient and remainder (division by zero, MIN / -1, the sign
+  # of a remainder), shifts (amounts beyond the width), pow, and anything
+  # producing floats: they stay on the worker.
+  @host_ring_ops [:add, :subtract, :multiply, :bitwise_and, :bitwise_or, :bitwise_xor]
+  @host_order_ops [:min, :max]
+  @host_logical_ops [:logical_and, :logical_or, :logical_xor]
+
+  # When every input's values are here (see `host`), one of those ops on
+  # integers is computed here as well, and the result keeps its bytes: a
+  # later read of it (a `while` condition in Nx.Defn.Evaluator, a loop
+  # counter's `Nx.to_number`) takes no round trip. The op still goes to the
+  # worker, which holds the tensor for everything else.
+  defp with_host(%T{type: type, data: %__MODULE__{ref: %Ref{}}} = result, name, [a, b] = inputs) do
+    with true <- host_integer?(type) and host_integer?(a.type) and host_integer?(b.type),
+         true <- host_exact?(name, type, a.type, b.type),
+         true <- Nx.size(result) * elem(type, 1) <= @host_bits,
+         [_, _] = bits <- hosts(inputs, []) do
+      [a, b] = Enum.zip_with(inputs, bits, &%{&1 | data: %Nx.BinaryBackend{state: &2}})
+      %T{data: %Nx.BinaryBackend{state: host}} = apply(Nx.BinaryBackend, name, [%{result | data: nil}, a, b])
+      %{result | data: %{result.data | host: host, host_scope: Moat.Scope.flag()}}
+    else
+      _ -> result
+    end
+  end
+
+  defp with_host(result, _name, _inputs), do: result
+
+  defp host_exact?(name, _out, _a, _b) when name in @host_ring_ops or name in @host_logical_ops, do: true
+  defp host_exact?(name, out, a, b) when name in @host_order_ops, do: fits?(a, out) and fits?(b, out)
+
+  defp host_exact?(name, _out, a, b) when name in @comparison_ops do
+    merged = Nx.Type.merge(a, b)
+    fits?(a, merged) and fits?(b, merged)
+  end
+
+  defp host_exact?(_name, _out, _a, _b), do: false
+
+  # Whether every value of integer type `from` is one of type `to`.
+  defp fits?({kind, from}, {kind, to}), do: from <= to
+  defp fits?({:u, from}, {:s, to}), do: from < to
+  defp fits?(_from, _to), do: false
+
+  defp host_integer?({kind, bits}) when kind in [:s, :u], do: bits >= 8 and not Types.emulated?({kind, bits})
+  defp host_integer?(_type), do: false
+
+  # Every input's bytes, or nil: a Moat input's only where a read of it may
+  # take them (`host_bytes/1`: a released input must not lend its values to
+  # a result that reads without a round trip), a small Nx.BinaryBackend
+  # one's; bytes held for another type (Moat.Types retypes handles) do not
+  # count.
+  defp hosts([%T{type: {_, size}} = t | rest], acc) do
+    bits = if match?(%__MODULE__{}, t.data), do: host_bytes(t), else: local(t)
+
+    if is_bitstring(bits) and bit_size(bits) == size * Nx.size(t),
+      do: hosts(rest, [bits | acc]),
+      else: nil
+  end
+
+  defp hosts([], acc), do: Enum.reverse(acc)
 
   ## Reductions, cumulative ops and sorting
 

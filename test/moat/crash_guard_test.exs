@@ -23,8 +23,14 @@ defmodule Moat.CrashGuardTest do
   end
 
   # Made in the worker: Moat.Backend keeps no BEAM copy of the values (it
-  # checks small Nx.tensor/2 indices at the call), so the worker's guard answers.
-  defp computed(t), do: Nx.add(moat(t), 0)
+  # checks small Nx.tensor/2 indices at the call, and those of exact integer
+  # ops on them, such as `Nx.add(t, 0)`), so the worker's guard answers.
+  # `quotient` is computed only there.
+  defp computed(t) do
+    indices = Nx.quotient(moat(t), 1)
+    assert indices.data.host == nil
+    indices
+  end
 
   defp assert_op_fails(op, message, fun) do
     error = assert_raise Error, fn -> fun.() |> Nx.to_binary() end

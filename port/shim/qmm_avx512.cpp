@@ -117,7 +117,9 @@ void prepare(const Problem& p, float* out) {
   }
 }
 
-// Weight rows n..n+NR against x rows m..m+R.
+// Weight rows n..n+NR against x rows m..m+R. The loops over them are
+// unrolled so that the accumulators stay in registers (GCC at -O2 keeps
+// arrays indexed by a loop on the stack).
 template <int BITS, int NR, int R>
 void tile(const Problem& p, int n, int m) {
   const int groups = p.K / p.group;
@@ -127,18 +129,22 @@ void tile(const Problem& p, int n, int m) {
   const __m512 tbl = table<BITS>();
   const uint8_t* w[NR];
   __m512 acc[NR][R];
+  #pragma GCC unroll 4
   for (int j = 0; j < NR; ++j) {
     w[j] = p.w + static_cast<size_t>(n + j) * row_bytes;
+    #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) acc[j][r] = _mm512_setzero_ps();
   }
   for (int g0 = 0; g0 < groups; g0 += 16) {
     const int count = groups - g0 < 16 ? groups - g0 : 16;
     __m512 s[NR];
+    #pragma GCC unroll 4
     for (int j = 0; j < NR; ++j) {
       size_t at = static_cast<size_t>(n + j) * groups + g0;
       s[j] = load16(p.st, p.scales, at, count);
       // The bias terms of these groups: b . (sums of x), lanes past count 0.
       __m512 b = load16(p.st, p.biases, at, count);
+      #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
         __m512 xs = _mm512_maskz_loadu_ps(static_cast<__mmask16>(count >= 16 ? 0xFFFF : (1u << count) - 1),
                                           sums + static_cast<size_t>(r) * groups + g0);
@@ -148,24 +154,33 @@ void tile(const Problem& p, int n, int m) {
     __m512i lane = _mm512_setzero_si512();
     for (int g = g0; g < g0 + count; ++g) {
       __m512 dot[NR][R];
+      #pragma GCC unroll 4
       for (int j = 0; j < NR; ++j)
+        #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) dot[j][r] = _mm512_setzero_ps();
       for (int k = g * p.group; k < (g + 1) * p.group; k += 16) {
         __m512 q[NR];
+        #pragma GCC unroll 4
         for (int j = 0; j < NR; ++j) q[j] = unpack16<BITS>(w[j], k, tbl);
+        #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) {
           __m512 xv = _mm512_loadu_ps(x + static_cast<size_t>(r) * p.K + k);
+          #pragma GCC unroll 4
           for (int j = 0; j < NR; ++j) dot[j][r] = _mm512_fmadd_ps(q[j], xv, dot[j][r]);
         }
       }
+      #pragma GCC unroll 4
       for (int j = 0; j < NR; ++j) {
         __m512 sg = _mm512_permutexvar_ps(lane, s[j]);
+        #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) acc[j][r] = _mm512_fmadd_ps(sg, dot[j][r], acc[j][r]);
       }
       lane = _mm512_add_epi32(lane, _mm512_set1_epi32(1));
     }
   }
+  #pragma GCC unroll 4
   for (int r = 0; r < R; ++r)
+    #pragma GCC unroll 4
     for (int j = 0; j < NR; ++j) p.out[static_cast<size_t>(m + r) * p.N + n + j] = _mm512_reduce_add_ps(acc[j][r]);
 }
 

@@ -11,8 +11,9 @@ import Bench
 rounds = 30
 Moat.Worker.start_link(name: :bench_q_scalar, cpu_kernels: :scalar)
 Moat.Worker.start_link(name: :bench_q_mlx, cpu_kernels: :mlx)
+Moat.Worker.start_link(name: :bench_q_avx2, cpu_kernels: :avx2)
 info = Moat.Worker.info()
-shapes = [{1, 4096, 4096}, {1, 1024, 4096}, {4, 4096, 4096}, {8, 4096, 4096}]
+shapes = [{1, 4096, 4096}, {1, 1024, 4096}, {2, 4096, 4096}, {4, 4096, 4096}, {8, 4096, 4096}, {16, 4096, 4096}]
 
 Nx.global_default_backend(Moat.Backend)
 
@@ -31,6 +32,8 @@ variants = [
   {"f32", Moat.Worker, nil},
   {"4-bit", Moat.Worker, 4},
   {"8-bit", Moat.Worker, 8},
+  {"4-bit AVX2", :bench_q_avx2, 4},
+  {"8-bit AVX2", :bench_q_avx2, 8},
   {"4-bit scalar", :bench_q_scalar, 4},
   {"8-bit scalar", :bench_q_scalar, 8},
   {"4-bit MLX", :bench_q_mlx, 4},
@@ -54,11 +57,15 @@ product = fn {m, k, n}, {name, worker, _} ->
 end
 
 time = fn shape, v -> time_us(fn -> product.(shape, v).data.ref |> Moat.eval() end) end
-for shape <- shapes, v <- variants, do: time.(shape, v)
+# The scalar fallback and MLX's kernel (tens of ms a product) only at M = 1.
+measured? = fn {m, _, _}, {name, _, _} -> m == 1 or not String.contains?(name, ["scalar", "MLX"]) end
+for shape <- shapes, v <- variants, measured?.(shape, v), do: time.(shape, v)
 
 times =
-  for _ <- 1..rounds, shape <- shapes, v <- variants, reduce: %{} do
-    acc -> Map.update(acc, {shape, elem(v, 0)}, [time.(shape, v)], &[time.(shape, v) | &1])
+  for _ <- 1..rounds, shape <- shapes, v <- variants, measured?.(shape, v), reduce: %{} do
+    acc ->
+      t = time.(shape, v)
+      Map.update(acc, {shape, elem(v, 0)}, [t], &[t | &1])
   end
 
 python = System.get_env("MOAT_BENCH_PYTHON", "python3")
@@ -69,14 +76,17 @@ numpy = Map.new(rows, fn [s, t] -> {s, String.to_float(t) * 1_000_000} end)
 
 ms = fn us -> fmt(us / 1000) end
 
+q4 = Moat.Quantized.info(held[{"4-bit", 4096, 4096}])
+
 packed = fn bits ->
-  Moat.Quantized.packed_bytes({4096, 4096}, {:f, 32}, %Moat.Quantized{bits: bits, group_size: 64, mode: :affine})
+  Moat.Quantized.packed_bytes({4096, 4096}, {:f, 32}, %{q4 | bits: bits})
 end
 
 IO.puts("### Quantized products (ms, median of #{rounds}; numpy #{numpy_version} in the same run)\n")
 
 IO.puts(
-  "x {M, K} · wᵀ, w {N, K} affine, group 64, f32 scales (4-bit: #{fmt(packed.(4) * 8 / 4096 / 4096)} bits a weight, " <>
+  "x {M, K} · wᵀ, w {N, K} affine, group 64, #{Nx.Type.to_string(q4.scale_type)} scales " <>
+    "(4-bit: #{fmt(packed.(4) * 8 / 4096 / 4096)} bits a weight, " <>
     "8-bit: #{fmt(packed.(8) * 8 / 4096 / 4096)}); Moat kernels #{info.cpu}.\n"
 )
 
@@ -86,10 +96,10 @@ row(["---" | List.duplicate("---:", length(names) + 3)])
 
 for {m, k, n} = shape <- shapes do
   np = numpy["#{m}:#{k}:#{n}"]
-  med = fn name -> median(times[{shape, name}]) end
+  med = fn name -> if ts = times[{shape, name}], do: median(ts) end
 
   row(
     ["#{m} × #{k} × #{n}", ms.(np)] ++
-      Enum.map(names, &ms.(med.(&1))) ++ [ratio(np, med.("4-bit")), ratio(np, med.("8-bit"))]
+      Enum.map(names, &if(t = med.(&1), do: ms.(t), else: "—")) ++ [ratio(np, med.("4-bit")), ratio(np, med.("8-bit"))]
   )
 end

@@ -7,7 +7,8 @@ defmodule Moat.Doctor do
   It checks the worker binary and the libraries it loads (MLX, and OpenBLAS
   where it is linked), starts a worker of its own (not the application's)
   and reports MLX's version and flavour, the BLAS with a measured f32 matmul
-  speed, the devices, shared memory and the memory limit; whether the
+  speed, the devices, the CPU kernel set it chose (the hello's `cpu`), shared
+  memory and the memory limit; whether the
   finalizer NIF loaded, the C++ compiler MLX needs for fused kernels, the C
   library; and runs a self-test: compute, kill the worker with SIGKILL, see
   its supervisor restart it, compute again.
@@ -182,6 +183,7 @@ defmodule Moat.Doctor do
           [
             finding("MLX runtime", :ok, "MLX #{info.mlx}, devices #{inspect(info.devices)}", nil),
             blas(name, info),
+            cpu_kernels(info.cpu),
             shared(conn),
             memory(name)
           ] ++ if(self_test?, do: [self_test(name)], else: [])
@@ -224,6 +226,19 @@ defmodule Moat.Doctor do
           "apt-get install libopenblas0-pthread, then rebuild Moat (mix deps.compile moat --force)"
         )
     end
+  end
+
+  # The kernel set the worker chose from cpuid (the hello's `cpu`).
+  @cpu_kernels %{
+    avx512: "AVX-512 (transcendentals; quantized products with AVX-512BW/VL, else AVX2)",
+    avx2: "AVX2 + FMA",
+    scalar: "scalar (no AVX2 found, or forced)",
+    mlx: "MLX's own (forced)"
+  }
+
+  defp cpu_kernels(cpu) do
+    detail = Map.get(@cpu_kernels, cpu, inspect(cpu))
+    finding("CPU kernels", :ok, "#{detail}; MOAT_CPU_FEATURES forces a set", nil)
   end
 
   defp shared(%Client{shared: nil}) do

@@ -14,8 +14,21 @@ defmodule Moat.Quantized do
   `group_size` values a scale and (`:affine`) a bias, `w = scale * q +
   bias`. The worker holds the three as one uint8 array, so the memory
   limit and `Moat.memory_info/1` count the packed bytes
-  (`packed_bytes/3`; 4-bit, group 64, f32 scales: 5 bits a weight; f16 or
-  bf16 scales: 4.5).
+  (`packed_bytes/3`).
+
+  ## The format: scales and biases
+
+  Affine scales and biases are stored as `:scale_type`: by default bf16 for
+  an f32 weight, and the weight's own type for an f16 or bf16 one (MLX's
+  choice). 4-bit in groups of 64 is then 4.5 bits a weight (`bits +
+  2 * 16 / group_size`; 8-bit: 8.5), where f32 scales (`scale_type: {:f,
+  32}`) take 5 (8-bit: 9). As MLX quantizes a half-width weight, the
+  values are quantized with f32 scales and biases, which are then rounded
+  to the scale type; bf16 keeps f32's range, so no scale overflows. The
+  same bytes serve every kernel: the CPU ones read bf16, f16 and f32
+  scales directly (computing in f32), and MLX's `quantized_matmul` (the
+  GPU) casts them to the product's type, as it does for a bf16 weight
+  multiplied by an f32 `x`.
 
   Modes: `:affine` (bits 2, 3, 4, 6 or 8; groups of 32, 64 or 128), and
   MLX's microscaled floats, which fix bits and group: `:mxfp4` (4-bit
@@ -30,7 +43,7 @@ defmodule Moat.Quantized do
       `Moat.Compiler` programs (a quantized argument of a jitted function
       is lowered as one). `Nx.dot(x, [-1], qw, [0])` (`x · w`, contracting
       the quantized-along axis' other one) too. On the CPU the affine
-      product runs on the worker's own kernel (AVX2 or scalar, the
+      product runs on the worker's own kernel (AVX-512, AVX2 or scalar, the
       hello's `cpu`), computing `scale * q + bias` in f32 exactly as
       `dequantize/1` does, then the product in f32; on the GPU, MLX's.
     * Every other op, and every other `dot`, first dequantizes its
@@ -45,8 +58,10 @@ defmodule Moat.Quantized do
 
   alias Nx.Tensor, as: T
 
+  # `scale_type`: the affine scales' and biases' type (nil: the weight's,
+  # and for the microscaled modes, whose scales are uint8).
   @enforce_keys [:bits, :group_size, :mode]
-  defstruct [:bits, :group_size, :mode]
+  defstruct [:bits, :group_size, :mode, scale_type: nil]
 
   defmodule Op do
     @moduledoc false
@@ -57,7 +72,7 @@ defmodule Moat.Quantized do
   end
 
   @type mode :: :affine | :mxfp4 | :mxfp8 | :nvfp4
-  @type t :: %__MODULE__{bits: 2..8, group_size: pos_integer(), mode: mode()}
+  @type t :: %__MODULE__{bits: 2..8, group_size: pos_integer(), mode: mode(), scale_type: Nx.Type.t() | nil}
 
   # Per mode: the bit widths and group sizes it takes, and its defaults.
   @modes %{
@@ -73,7 +88,10 @@ defmodule Moat.Quantized do
   `w` quantized along its last axis; see the module doc.
 
   Options: `:mode` (default `:affine`), `:bits` (default 4; the mode's),
-  `:group_size` (default 64; the mode's). `w` is f32, f16 or bf16 of rank
+  `:group_size` (default 64; the mode's), `:scale_type` (`:affine` only:
+  `{:bf, 16}` or `{:f, 32}` for any weight, `{:f, 16}` for an f16 one;
+  default bf16 for an f32 weight, else the weight's type; see "The
+  format"). `w` is f32, f16 or bf16 of rank
   at least 2 with a last axis that is a positive multiple of the group
   size. A weight on another backend is copied to `:backend` (as
   `Nx.backend_copy/2` takes it, e.g. `{Moat.Backend, worker: name}`;
@@ -82,7 +100,7 @@ defmodule Moat.Quantized do
   """
   @spec quantize(Nx.Tensor.t(), keyword()) :: Nx.Tensor.t()
   def quantize(%T{} = w, opts \\ []) do
-    opts = Keyword.validate!(opts, [:bits, :group_size, :backend, mode: :affine])
+    opts = Keyword.validate!(opts, [:bits, :group_size, :backend, :scale_type, mode: :affine])
     mode = opts[:mode]
 
     spec =
@@ -91,13 +109,43 @@ defmodule Moat.Quantized do
               "Moat.quantize: unknown mode #{inspect(mode)}, expected one of #{inspect(Map.keys(@modes))}"
 
     {default_bits, default_group} = spec.default
-    q = %__MODULE__{bits: opts[:bits] || default_bits, group_size: opts[:group_size] || default_group, mode: mode}
+
+    q = %__MODULE__{
+      bits: opts[:bits] || default_bits,
+      group_size: opts[:group_size] || default_group,
+      mode: mode,
+      scale_type: scale_type!(mode, w.type, opts[:scale_type])
+    }
+
     check!(w, q, spec)
     w = on_moat(w, opts[:backend])
-    attrs = %{bits: q.bits, group_size: q.group_size, mode: mode}
+    attrs = Map.merge(%{bits: q.bits, group_size: q.group_size, mode: mode}, scale_attr(q))
     packed = worker_op(:quantize, [w], Nx.template({packed_bytes(w.shape, w.type, q)}, {:u, 8}), attrs)
     %{w | data: %{packed.data | quant: q}}
   end
+
+  defp scale_type!(:affine, {:f, 32}, nil), do: {:bf, 16}
+  defp scale_type!(:affine, type, nil), do: type
+
+  defp scale_type!(:affine, type, wanted) do
+    t = Nx.Type.normalize!(wanted)
+
+    if t in [{:bf, 16}, {:f, 32}, type] do
+      t
+    else
+      raise ArgumentError,
+            "Moat.quantize: :scale_type is bf16, f32 or the weight's own type (f16 would not hold " <>
+              "every scale of another), got #{inspect(wanted)} for a #{Nx.Type.to_string(type)} weight"
+    end
+  end
+
+  defp scale_type!(_mode, _type, nil), do: nil
+
+  defp scale_type!(mode, _type, _wanted),
+    do: raise(ArgumentError, "Moat.quantize: #{mode} has uint8 scales, so it takes no :scale_type")
+
+  defp scale_attr(%__MODULE__{scale_type: nil}), do: %{}
+  defp scale_attr(%__MODULE__{scale_type: t}), do: %{scale_type: t}
 
   defp worker_op(name, args, out, attrs), do: Nx.block(%Op{name: name, attrs: attrs}, args, out, refuse(name, args))
 
@@ -165,14 +213,16 @@ defmodule Moat.Quantized do
 
   @doc """
   The bytes the worker holds for a weight of `shape` and `type` quantized
-  as `q`: the packed words, the scales and (`:affine`) the biases.
+  as `q`: the packed words, the scales and (`:affine`) the biases, of
+  `q.scale_type` (or `type` when that is nil).
   """
   @spec packed_bytes(tuple(), Nx.Type.t(), t()) :: non_neg_integer()
-  def packed_bytes(shape, {_, type_bits}, %__MODULE__{} = q) do
+  def packed_bytes(shape, type, %__MODULE__{} = q) do
     k = elem(shape, tuple_size(shape) - 1)
     rows = div(Nx.size(shape), max(k, 1)) * if(k == 0, do: 0, else: 1)
     groups = div(k, q.group_size)
-    scale_bytes = if q.mode == :affine, do: 2 * div(type_bits, 8), else: 1
+    {_, scale_bits} = q.scale_type || type
+    scale_bytes = if q.mode == :affine, do: 2 * div(scale_bits, 8), else: 1
     rows * (div(k * q.bits, 8) + groups * scale_bytes)
   end
 
@@ -282,11 +332,16 @@ defmodule Moat.Quantized do
   def rewrap(%T{data: data}, %T{data: %{quant: q}} = like),
     do: %{like | data: %{data | quant: q}}
 
-  defp attrs(t, q),
-    do: %{shape: Tuple.to_list(t.shape), dense: t.type, bits: q.bits, group_size: q.group_size, mode: q.mode}
+  defp attrs(t, q) do
+    base = %{shape: Tuple.to_list(t.shape), dense: t.type, bits: q.bits, group_size: q.group_size, mode: q.mode}
+    Map.merge(base, scale_attr(q))
+  end
 
   @doc false
   # The label inspect/2 prints after the device.
+  def label(%__MODULE__{mode: :affine, scale_type: t} = q) when t != nil,
+    do: ", #{q.bits}-bit affine, group #{q.group_size}, #{Nx.Type.to_string(t)} scales"
+
   def label(%__MODULE__{mode: :affine} = q), do: ", #{q.bits}-bit affine, group #{q.group_size}"
   def label(%__MODULE__{mode: mode}), do: ", #{mode}"
 end

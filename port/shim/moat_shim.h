@@ -324,18 +324,24 @@ int moat_kernel_atan2(const moat_array* a, const moat_array* b, moat_array** out
 // -- quantized weights (quant.cpp)
 // A quantized weight is one uint8 vector (protocol.md, "Quantized
 // weights"): MLX's packed words, scales and (affine) biases of a weight of
-// dense `shape` {..., out, in} and type `dtype`. moat_kernels_select's set
-// also picks the CPU kernel of the affine x · wᵀ (AVX2 or scalar; MLX's own
-// with MOAT_KERNELS_MLX); the GPU runs MLX's.
-int moat_quantize(const moat_array* w, int group_size, int bits, const char* mode, moat_array** out);
+// dense `shape` {..., out, in}, the affine scales and biases of type
+// `scale_dtype` (f32, f16 or bf16; ignored by the microscaled modes, whose
+// scales are uint8). moat_kernels_select's set also picks the CPU kernel of
+// the affine x · wᵀ (AVX-512, AVX2 or scalar; MLX's own with
+// MOAT_KERNELS_MLX); the GPU runs MLX's, which casts the scales to the
+// product's type.
+// MLX's quantize (scales and biases computed in f32, the values quantized
+// with them), the affine scales and biases then rounded to scale_dtype.
+int moat_quantize(const moat_array* w, int group_size, int bits, const char* mode, int scale_dtype,
+                  moat_array** out);
 // The dense weight, computed in (and of) out_dtype.
-int moat_dequantize(const moat_array* packed, const int32_t* shape, size_t ndim, int dtype, int out_dtype,
+int moat_dequantize(const moat_array* packed, const int32_t* shape, size_t ndim, int scale_dtype, int out_dtype,
                     int group_size, int bits, const char* mode, moat_array** out);
 int moat_quantized_matmul(const moat_array* x, const moat_array* packed, const int32_t* shape, size_t ndim,
-                          int dtype, int group_size, int bits, const char* mode, int transpose,
+                          int scale_dtype, int group_size, int bits, const char* mode, int transpose,
                           moat_array** out);
 // Nullable index arrays are absent.
-int moat_gather_qmm(const moat_array* x, const moat_array* packed, const int32_t* shape, size_t ndim, int dtype,
+int moat_gather_qmm(const moat_array* x, const moat_array* packed, const int32_t* shape, size_t ndim, int scale_dtype,
                     int group_size, int bits, const char* mode, const moat_array* lhs_indices,
                     const moat_array* rhs_indices, int transpose, int sorted, moat_array** out);
 

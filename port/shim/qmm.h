@@ -44,6 +44,8 @@ extern const Set scalar_set;
 #if defined(__x86_64__)
 // Only on a CPU with AVX2, FMA and F16C.
 extern const Set avx2_set;
+// Only on a CPU with AVX-512F, BW and VL (and the above).
+extern const Set avx512_set;
 #endif
 
 // Called by moat_kernels_select (kernels.cpp) with the kernel set it chose.

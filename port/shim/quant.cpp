@@ -5,7 +5,7 @@
 // The packed array (protocol.md, "Quantized weights") is one uint8 vector:
 // MLX's three arrays of the weight, each row-major, one after the other:
 // the packed words {..., out, in * bits / 32} (uint32), the scales
-// {..., out, in / group} (the weight's type for :affine, uint8 for the
+// {..., out, in / group} (f32, f16 or bf16 for :affine, uint8 for the
 // microscaled modes) and, for :affine only, the biases (as the scales).
 #include <stdexcept>
 #include <string>
@@ -43,8 +43,9 @@ std::string shape_text(const mx::Shape& s) {
   return t + "}";
 }
 
-// The three arrays of a packed weight of dense `shape`, as views of it.
-Parts unpack(const mx::array& packed, const mx::Shape& shape, mx::Dtype dense, int group, int bits,
+// The three arrays of a packed weight of dense `shape` (affine scales and
+// biases of type `scales`), as views of it.
+Parts unpack(const mx::array& packed, const mx::Shape& shape, mx::Dtype scales, int group, int bits,
              const std::string& mode) {
   if (shape.size() < 2) throw std::invalid_argument("a quantized weight has rank at least 2");
   const size_t k = static_cast<size_t>(shape.back());
@@ -53,7 +54,7 @@ Parts unpack(const mx::array& packed, const mx::Shape& shape, mx::Dtype dense, i
                                 std::to_string(group));
   }
   const bool affine = mode == "affine";
-  const mx::Dtype st = affine ? dense : mx::uint8;
+  const mx::Dtype st = affine ? scales : mx::uint8;
   const size_t rows = count(shape, 0, shape.size() - 1);
   const size_t w_bytes = rows * k * bits / 8, s_bytes = rows * (k / group) * mx::size_of(st);
   const size_t total = w_bytes + s_bytes * (affine ? 2 : 1);
@@ -93,7 +94,7 @@ q::Scale scale_storage(mx::Dtype t) {
   if (t == mx::float32) return q::F32;
   if (t == mx::float16) return q::F16;
   if (t == mx::bfloat16) return q::BF16;
-  throw std::invalid_argument("quantized weights are float32, float16 or bfloat16");
+  throw std::invalid_argument("affine scales and biases are float32, float16 or bfloat16");
 }
 
 // x {..., K} (f32, row-contiguous) times the packed affine weight {N, K}
@@ -140,19 +141,20 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
 };
 
 // Whether the shim's kernel computes x · wᵀ: on the CPU, affine, a 2-D
-// weight, the bit widths it unpacks.
-bool ours(const mx::array& x, const mx::Shape& shape, int bits, const std::string& mode, bool transpose) {
+// weight, the bit widths it unpacks, MLX's group sizes.
+bool ours(const mx::array& x, const mx::Shape& shape, int group, int bits, const std::string& mode, bool transpose) {
   return !use_mlx.load() && mx::default_device() == mx::Device::cpu && mode == "affine" && transpose &&
-         shape.size() == 2 && x.ndim() >= 1 && (bits == 2 || bits == 3 || bits == 4 || bits == 6 || bits == 8);
+         shape.size() == 2 && x.ndim() >= 1 && (bits == 2 || bits == 3 || bits == 4 || bits == 6 || bits == 8) &&
+         (group == 32 || group == 64 || group == 128);
 }
 
-mx::array ours_qmm(const mx::array& x, const mx::array& packed, const mx::Shape& shape, mx::Dtype dense, int group,
+mx::array ours_qmm(const mx::array& x, const mx::array& packed, const mx::Shape& shape, mx::Dtype scales, int group,
                    int bits) {
   auto out_shape = x.shape();
   out_shape.back() = shape[0];
   auto s = mx::default_stream(mx::Device::cpu);
   auto xf = mx::contiguous(mx::astype(x, mx::float32, s), false, s);
-  auto st = scale_storage(dense);
+  auto st = scale_storage(scales);
   return mx::array(out_shape, mx::float32,
                    std::make_shared<QuantizedMatmul>(s, shape[0], shape[1], bits, group, st),
                    {xf, mx::contiguous(packed, false, s)});
@@ -164,7 +166,13 @@ namespace moat::qmm {
 void select(int set) {
   use_mlx.store(set == MOAT_KERNELS_MLX);
 #if defined(__x86_64__)
-  selected.store(set == MOAT_KERNELS_AVX2 || set == MOAT_KERNELS_AVX512 ? &avx2_set : &scalar_set);
+  // The kernel set's AVX-512F alone does not give the BW and VL parts the
+  // AVX-512 product needs: without them it takes the AVX2 one.
+  __builtin_cpu_init();
+  bool bw_vl = __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+  selected.store(set == MOAT_KERNELS_AVX512 ? (bw_vl ? &avx512_set : &avx2_set)
+                 : set == MOAT_KERNELS_AVX2 ? &avx2_set
+                                            : &scalar_set);
 #else
   selected.store(&scalar_set);
 #endif
@@ -173,22 +181,31 @@ void select(int set) {
 
 extern "C" {
 
-int moat_quantize(const moat_array* w, int group_size, int bits, const char* mode, moat_array** out) {
+int moat_quantize(const moat_array* w, int group_size, int bits, const char* mode, int scale_dtype,
+                  moat_array** out) {
   return produce(out, [&] {
+    auto st = to_dtype(scale_dtype);
+    scale_storage(st);
     // MLX cannot quantize an empty weight; its packed form is empty.
     if (arr(w).size() == 0) return mx::zeros({0}, mx::uint8);
     auto parts = mx::quantize(arr(w), group_size, bits, mode);
+    // As MLX does for a half-width weight: the values quantized with the
+    // f32 scales and biases, which are then rounded.
+    if (std::string(mode) == "affine" && parts[1].dtype() != st) {
+      parts[1] = mx::astype(parts[1], st);
+      parts[2] = mx::astype(parts[2], st);
+    }
     std::vector<mx::array> bytes;
     for (auto& p : parts) bytes.push_back(mx::flatten(mx::view(p, mx::uint8)));
     return mx::concatenate(bytes, 0);
   });
 }
 
-int moat_dequantize(const moat_array* packed, const int32_t* shape, size_t ndim, int dtype, int out_dtype,
+int moat_dequantize(const moat_array* packed, const int32_t* shape, size_t ndim, int scale_dtype, int out_dtype,
                     int group_size, int bits, const char* mode, moat_array** out) {
   return produce(out, [&] {
     auto s = to_shape(shape, ndim);
-    Parts p = unpack(arr(packed), s, to_dtype(dtype), group_size, bits, mode);
+    Parts p = unpack(arr(packed), s, to_dtype(scale_dtype), group_size, bits, mode);
     auto t = to_dtype(out_dtype);
     if (p.w.size() == 0) return mx::zeros(s, t);
     // MLX computes in the scales' type: widened first, f16 scales give f32
@@ -202,10 +219,10 @@ int moat_dequantize(const moat_array* packed, const int32_t* shape, size_t ndim,
 }
 
 int moat_quantized_matmul(const moat_array* x, const moat_array* packed, const int32_t* shape, size_t ndim,
-                          int dtype, int group_size, int bits, const char* mode, int transpose,
+                          int scale_dtype, int group_size, int bits, const char* mode, int transpose,
                           moat_array** out) {
   return produce(out, [&] {
-    auto d = to_dtype(dtype);
+    auto d = to_dtype(scale_dtype);
     auto s = to_shape(shape, ndim);
     Parts p = unpack(arr(packed), s, d, group_size, bits, mode);
     const mx::array& xa = arr(x);
@@ -217,19 +234,19 @@ int moat_quantized_matmul(const moat_array* x, const moat_array* packed, const i
     auto out_shape = xa.shape();
     out_shape.back() = s[transpose ? 0 : 1];
     if (xa.size() == 0 || out_shape.back() == 0) {
-      bool mine = ours(xa, s, bits, mode, transpose != 0);
+      bool mine = ours(xa, s, group_size, bits, mode, transpose != 0);
       return mx::zeros(out_shape, mine ? mx::float32 : xa.dtype());
     }
-    if (ours(xa, s, bits, mode, transpose != 0)) return ours_qmm(xa, arr(packed), s, d, group_size, bits);
+    if (ours(xa, s, group_size, bits, mode, transpose != 0)) return ours_qmm(xa, arr(packed), s, d, group_size, bits);
     return mx::quantized_matmul(xa, p.w, p.scales, p.biases, transpose != 0, group_size, bits, mode);
   });
 }
 
-int moat_gather_qmm(const moat_array* x, const moat_array* packed, const int32_t* shape, size_t ndim, int dtype,
-                    int group_size, int bits, const char* mode, const moat_array* lhs_indices,
+int moat_gather_qmm(const moat_array* x, const moat_array* packed, const int32_t* shape, size_t ndim,
+                    int scale_dtype, int group_size, int bits, const char* mode, const moat_array* lhs_indices,
                     const moat_array* rhs_indices, int transpose, int sorted, moat_array** out) {
   return produce(out, [&] {
-    auto d = to_dtype(dtype);
+    auto d = to_dtype(scale_dtype);
     Parts p = unpack(arr(packed), to_shape(shape, ndim), d, group_size, bits, mode);
     auto maybe = [](const moat_array* a) { return a ? std::optional<mx::array>(arr(a)) : std::nullopt; };
     auto y = mx::gather_qmm(arr(x), p.w, p.scales, p.biases, maybe(lhs_indices), maybe(rhs_indices),

@@ -1,7 +1,7 @@
 //! Quantized weights through real frames: `quantize` packs MLX's three
 //! arrays into one vector of the documented size, `dequantize` reads it back,
-//! and `quantized_matmul` (the worker's own CPU kernel, AVX2 and the scalar
-//! fallback forced by MOAT_CPU_FEATURES, and MLX's) agrees with
+//! and `quantized_matmul` (the worker's own CPU kernel, AVX-512, AVX2 and
+//! the scalar fallback forced by MOAT_CPU_FEATURES, and MLX's) agrees with
 //! dequantize-then-multiply in f32, for every bit width and group size, odd
 //! row counts, batched, strided, broadcast and empty inputs, and half-width
 //! scales; mismatched descriptions fail the op with the cause.
@@ -19,10 +19,23 @@ fn has_avx2() -> bool {
     return false;
 }
 
+fn has_avx512() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return has_avx2()
+        && is_x86_feature_detected!("avx512f")
+        && is_x86_feature_detected!("avx512bw")
+        && is_x86_feature_detected!("avx512vl");
+    #[cfg(not(target_arch = "x86_64"))]
+    return false;
+}
+
 fn sets() -> Vec<&'static str> {
     let mut v = vec!["scalar", "mlx"];
     if has_avx2() {
         v.push("avx2");
+    }
+    if has_avx512() {
+        v.push("avx512");
     }
     v
 }
@@ -61,7 +74,20 @@ fn product_and_reference(
     bits: i64,
     group: i64,
 ) -> (Vec<f32>, Vec<f32>) {
+    product_and_reference_with(w, x_shape, shape, bits, group, vec![])
+}
+
+/// As product_and_reference, with more attrs (`scale_type`) for both ops.
+fn product_and_reference_with(
+    w: &mut Worker,
+    x_shape: &[i32],
+    shape: &[i32],
+    bits: i64,
+    group: i64,
+    extra: Vec<(&'static str, Term)>,
+) -> (Vec<f32>, Vec<f32>) {
     let mut q = quant_attrs(shape, ("f", 32), bits, group, "affine");
+    q.extend(extra);
     q.push(("type", ty("f", 32)));
     let mut qmm = q.clone();
     qmm.push(("transpose", Term::atom("true")));
@@ -128,28 +154,30 @@ fn the_product_matches_dequantize_then_multiply_for_every_width_and_set() {
 }
 
 /// Rows of 96 values: the 4-bit AVX2 kernel takes blocks of 64 (x reordered
-/// once per product), so these go through its other path.
+/// once per product), so these go through its other path. Rows of 1088: 34
+/// groups of 32 or 17 of 64, past the AVX-512 kernel's blocks of 16 scales.
 #[test]
-fn rows_that_are_not_a_multiple_of_64_values() {
-    let (n, k) = (9, 96);
-    for set in sets() {
-        let mut w = Worker::start_env(&[], &[("MOAT_CPU_FEATURES", set)]);
-        w.upload_f32(3, &[n, k], &values((n * k) as usize, 11));
-        for m in [1, 2, 5] {
-            w.upload_f32(2, &[m, k], &values((m * k) as usize, 12 + m as u64));
-            for bits in [2, 3, 4, 6, 8] {
-                let attrs = map(vec![
-                    ("bits", Term::int(bits)),
-                    ("group_size", Term::int(32)),
-                    ("mode", Term::atom("affine")),
-                ]);
-                w.request(0, "quantize", &[1], &[3], attrs);
-                w.read(3, 1).expect("quantize");
-                let (got, want) = product_and_reference(&mut w, &[m, k], &[n, k], bits, 32);
-                assert_close(&got, &want, &format!("{set}: m {m}, {bits} bits, k {k}"));
-                w.request(0, "release", &[], &[1], nil());
+fn rows_that_are_not_a_multiple_of_64_values_or_of_16_groups() {
+    for (n, k, group) in [(9, 96, 32), (5, 1088, 32), (5, 1088, 64)] {
+        for set in sets() {
+            let mut w = Worker::start_env(&[], &[("MOAT_CPU_FEATURES", set)]);
+            w.upload_f32(3, &[n, k], &values((n * k) as usize, 11));
+            for m in [1, 2, 5] {
+                w.upload_f32(2, &[m, k], &values((m * k) as usize, 12 + m as u64));
+                for bits in [2, 3, 4, 6, 8] {
+                    let attrs = map(vec![
+                        ("bits", Term::int(bits)),
+                        ("group_size", Term::int(group)),
+                        ("mode", Term::atom("affine")),
+                    ]);
+                    w.request(0, "quantize", &[1], &[3], attrs);
+                    w.read(3, 1).expect("quantize");
+                    let (got, want) = product_and_reference(&mut w, &[m, k], &[n, k], bits, group);
+                    assert_close(&got, &want, &format!("{set}: m {m}, {bits} bits, k {k}, group {group}"));
+                    w.request(0, "release", &[], &[1], nil());
+                }
+                w.request(0, "release", &[], &[2], nil());
             }
-            w.request(0, "release", &[], &[2], nil());
         }
     }
 }
@@ -229,6 +257,57 @@ fn half_width_weights_keep_their_scales_and_compute_in_f32() {
                 w.request(0, "release", &[], &[id], nil());
             }
         }
+    }
+}
+
+/// The format #18 asks for (at most 4.5 bits a 4-bit weight): an f32 weight
+/// with bf16 scales and biases, read by every kernel set as they are.
+#[test]
+fn f32_weights_with_bf16_scales_hold_fewer_bytes_and_multiply_alike() {
+    let (n, k) = (20, 512);
+    for set in sets() {
+        let mut w = Worker::start_env(&[], &[("MOAT_CPU_FEATURES", set)]);
+        w.upload_f32(3, &[n, k], &values((n * k) as usize, 21));
+        for m in [1, 3] {
+            w.upload_f32(2, &[m, k], &values((m * k) as usize, 22 + m as u64));
+            for bits in [2, 3, 4, 6, 8] {
+                for group in [32, 64, 128] {
+                    let attrs = map(vec![
+                        ("bits", Term::int(bits)),
+                        ("group_size", Term::int(group)),
+                        ("mode", Term::atom("affine")),
+                        ("scale_type", ty("bf", 16)),
+                    ]);
+                    w.request(0, "quantize", &[1], &[3], attrs);
+                    let (_, packed) = w.read(3, 1).expect("quantize");
+                    let bytes = packed_bytes(n as usize, k as usize, bits as usize, group as usize, 2, true);
+                    assert_eq!(packed.len(), bytes, "{set}: {bits} bits, group {group}");
+                    let extra = vec![("scale_type", ty("bf", 16))];
+                    let (got, want) = product_and_reference_with(&mut w, &[m, k], &[n, k], bits, group, extra);
+                    assert_close(
+                        &got,
+                        &want,
+                        &format!("{set}: bf16 scales, m {m}, {bits} bits, group {group}"),
+                    );
+                    w.request(0, "release", &[], &[1], nil());
+                }
+            }
+            w.request(0, "release", &[], &[2], nil());
+        }
+        // f16 cannot hold every f32 scale: refused for an f32 weight.
+        let attrs = map(vec![
+            ("bits", Term::int(4)),
+            ("group_size", Term::int(64)),
+            ("mode", Term::atom("affine")),
+            ("scale_type", ty("f", 16)),
+        ]);
+        w.request(0, "quantize", &[1], &[3], attrs);
+        let (op, message) = error_parts(&w.read(4, 1).unwrap_err());
+        assert_eq!(op, "quantize");
+        assert!(
+            message.contains("scales of a f32 weight are f32, bf16 or its own type"),
+            "{message}"
+        );
     }
 }
 

@@ -20,6 +20,8 @@ defmodule Moat.DoctorTest do
     text = Moat.Doctor.format(findings)
     assert %{status: :ok, detail: "0.32.4, flavour cpu (mlx-cpu)" <> _} = find(findings, "MLX"), text
     assert %{status: :ok} = find(findings, "Finalizer NIF"), text
+    assert %{status: :ok, detail: kernels} = find(findings, "CPU kernels"), text
+    assert kernels =~ ~r/^(AVX-512|AVX2|scalar)/, text
 
     assert %{status: :ok, detail: "computed, killed the worker (SIGKILL), generation 2" <> _} =
              find(findings, "Self-test")

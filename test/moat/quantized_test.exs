@@ -3,15 +3,19 @@ defmodule Moat.QuantizedTest do
   # Nx.BinaryBackend: the quantized product against the dense one and
   # against dequantize-then-multiply, round trips, the operations that
   # dequantize (with telemetry), copies, memory, programs, gather_qmm, and the
-  # worker's scalar kernels forced by :cpu_kernels (MOAT_CPU_FEATURES).
+  # worker's AVX2 and scalar kernels forced by :cpu_kernels
+  # (MOAT_CPU_FEATURES) beside the default worker's (AVX-512 on a CPU with
+  # it).
   use ExUnit.Case, async: false
 
   import Moat.Case
 
-  @workers [Moat.Worker, :quant_scalar]
+  @workers [Moat.Worker, :quant_avx2, :quant_scalar]
 
   setup_all do
     start_worker(:quant_scalar, cpu_kernels: :scalar)
+    # A CPU without AVX2 runs the scalar set twice rather than skip.
+    start_worker(:quant_avx2, cpu_kernels: if(Moat.Worker.info().cpu in [:avx2, :avx512], do: :avx2, else: :scalar))
     :ok
   end
 
@@ -123,16 +127,23 @@ defmodule Moat.QuantizedTest do
   test "round trips keep every value within a step of its group" do
     w = normal(12, {8, 256})
 
-    for bits <- [2, 3, 4, 6, 8], group <- [32, 64, 128] do
-      qw = Moat.quantize(on(w, Moat.Worker), bits: bits, group_size: group)
+    for bits <- [2, 3, 4, 6, 8], group <- [32, 64, 128], scale_type <- [:f32, :bf16] do
+      qw = Moat.quantize(on(w, Moat.Worker), bits: bits, group_size: group, scale_type: scale_type)
       back = binary(Moat.dequantize(qw))
       assert back.shape == w.shape and back.type == w.type
       groups = Nx.reshape(w, {8, div(256, group), group})
       step = Nx.subtract(Nx.reduce_max(groups, axes: [2]), Nx.reduce_min(groups, axes: [2])) |> Nx.divide(2 ** bits - 1)
       err = Nx.abs(Nx.subtract(Nx.reshape(back, groups.shape), groups)) |> Nx.reduce_max(axes: [2])
       # MLX moves a group's grid so that 0 is on it: within one step (plus
-      # the rounding of the scale and bias), not half.
-      assert Nx.to_number(Nx.all(Nx.less_equal(err, Nx.add(step, 1.0e-5)))) == 1, "#{bits}/#{group}"
+      # the rounding of the scale and bias), not half. bf16 rounds the bias
+      # (at most the group's largest magnitude m) by 2^-9 of it, and the
+      # scale by 2^-9 of it, times q < 2^bits: at most 3 m 2^-9 together.
+      rounding =
+        if scale_type == :f32,
+          do: 1.0e-5,
+          else: Nx.multiply(Nx.reduce_max(Nx.abs(groups), axes: [2]), 3 * 2 ** -9) |> Nx.add(1.0e-5)
+
+      assert Nx.to_number(Nx.all(Nx.less_equal(err, Nx.add(step, rounding)))) == 1, "#{bits}/#{group}/#{scale_type}"
     end
   end
 
@@ -148,7 +159,7 @@ defmodule Moat.QuantizedTest do
     assert copied == dense
     assert [%{op: :backend_copy, bits: 8}] = events
     assert Nx.to_binary(qw) == Nx.to_binary(dense)
-    assert inspect(qw) =~ "Moat.Backend(#{Moat.Worker.info().device}, 8-bit affine, group 32)"
+    assert inspect(qw) =~ "Moat.Backend(#{Moat.Worker.info().device}, 8-bit affine, group 32, bf16 scales)"
 
     # Within Moat, to the same or another worker, it stays quantized.
     for worker <- [Moat.Worker, :quant_scalar] do
@@ -189,9 +200,57 @@ defmodule Moat.QuantizedTest do
     before = Moat.memory_info(worker).active
     qw = Moat.quantize(w, bits: 4, group_size: 64)
     packed = Moat.Quantized.packed_bytes(qw.shape, qw.type, Moat.Quantized.info(qw))
-    assert packed == 1024 * (512 + 16 * 8)
+    # bf16 scales and biases: 4.5 bits a weight.
+    assert packed == 1024 * (512 + 16 * 4) and packed * 8 / (1024 * 1024) == 4.5
     Nx.backend_deallocate(w)
     assert Moat.memory_info(worker).active - before + 4 * 1024 * 1024 == packed
+  end
+
+  test "scale types: bf16 by default for f32 weights, f32 on request, the weight's own for half ones" do
+    w = normal(30, {64, 256})
+    x = normal(31, {2, 256})
+
+    for {type, opts, want, bits_a_weight} <- [
+          {:f32, [], {:bf, 16}, 4.5},
+          {:f32, [scale_type: :f32], {:f, 32}, 5.0},
+          {:f16, [], {:f, 16}, 4.5},
+          {:f16, [scale_type: :bf16], {:bf, 16}, 4.5},
+          {:bf16, [], {:bf, 16}, 4.5}
+        ] do
+      qw = Moat.quantize(on(Nx.as_type(w, type), Moat.Worker), [bits: 4, group_size: 64] ++ opts)
+      q = Moat.Quantized.info(qw)
+      assert q.scale_type == want
+      assert Moat.Quantized.packed_bytes(qw.shape, qw.type, q) * 8 / Nx.size(w) == bits_a_weight
+
+      # Every worker reads the same bytes: its product is dequantize-then-multiply
+      # (computed in f32: a half weight's dequantized values are rounded to it).
+      reference = dot_t(x, Nx.as_type(binary(Moat.dequantize(qw)), :f32))
+
+      [first | _] =
+        got = for worker <- @workers, do: dot_t(on(x, worker), Nx.backend_copy(qw, {Moat.Backend, worker: worker}))
+
+      assert relative(first, reference) < if(type == :f32, do: 1.0e-5, else: 1.0e-2)
+      for g <- got, do: assert(relative(g, first) < 1.0e-5, "#{type} #{inspect(want)}")
+    end
+
+    # bf16 scales cost little: f32 scales give about the same error.
+    dense = dot_t(x, w)
+
+    errors =
+      for st <- [:bf16, :f32],
+          do: relative(dot_t(on(x, Moat.Worker), Moat.quantize(on(w, Moat.Worker), bits: 8, scale_type: st)), dense)
+
+    assert Enum.all?(errors, &(&1 < 0.01)), inspect(errors)
+
+    assert_raise ArgumentError,
+                 ~r/:scale_type is bf16, f32 or the weight's own type .* got :f16 for a f32 weight/,
+                 fn ->
+                   Moat.quantize(on(w, Moat.Worker), scale_type: :f16)
+                 end
+
+    assert_raise ArgumentError, ~r/mxfp4 has uint8 scales/, fn ->
+      Moat.quantize(on(w, Moat.Worker), mode: :mxfp4, scale_type: :bf16)
+    end
   end
 
   test "Moat.Compiler runs the quantized product in the program, from its arguments" do

@@ -33,11 +33,35 @@ fn weight_type(t: Dtype) -> Checked<Dtype> {
     }
 }
 
+/// The type of a weight's affine scales and biases: the optional attr
+/// `scale_type`, by default the weight's type `dense`. f32 or bf16 for any
+/// weight, f16 for an f16 one (f16 cannot hold every f32 or bf16 scale).
+fn scale_type(a: &Term, dense: Dtype) -> Checked<Dtype> {
+    let t = match a.get("scale_type") {
+        Some(t) => attrs::dtype(t)?,
+        None => return Ok(dense),
+    };
+    if t == Dtype::F32 || t == Dtype::Bf16 || t == dense {
+        Ok(t)
+    } else {
+        let name = |t: Dtype| {
+            let (kind, bits) = t.nx();
+            format!("{kind}{bits}")
+        };
+        Err(format!(
+            "scales of a {} weight are f32, bf16 or its own type, got {}",
+            name(dense),
+            name(t)
+        ))
+    }
+}
+
 /// The packed weight's description from the attrs `shape`, `dense`,
-/// `group_size`, `bits` and `mode`.
+/// `scale_type`, `group_size`, `bits` and `mode`.
 struct Described {
     shape: Vec<i32>,
     dtype: Dtype,
+    scales: Dtype,
     group_size: i32,
     bits: i32,
     mode: String,
@@ -49,9 +73,11 @@ impl Described {
         if shape.len() < 2 || shape.iter().any(|&d| d < 0) {
             return Err(format!("a quantized weight has rank at least 2, got shape {shape:?}"));
         }
+        let dtype = weight_type(attrs::dtype(attrs::field(a, "dense")?)?)?;
         Ok(Described {
             shape,
-            dtype: weight_type(attrs::dtype(attrs::field(a, "dense")?)?)?,
+            dtype,
+            scales: scale_type(a, dtype)?,
             group_size: attrs::positive(attrs::field(a, "group_size")?)?,
             bits: attrs::positive(attrs::field(a, "bits")?)?,
             mode: mode(a)?.to_string(),
@@ -61,7 +87,7 @@ impl Described {
     fn quant(&self) -> Quant<'_> {
         Quant {
             shape: &self.shape,
-            dtype: self.dtype,
+            scales: self.scales,
             group_size: self.group_size,
             bits: self.bits,
             mode: &self.mode,
@@ -69,10 +95,11 @@ impl Described {
     }
 }
 
-/// `[w]`: attrs `bits`, `group_size`, `mode`. The packed uint8 vector.
+/// `[w]`: attrs `bits`, `group_size`, `mode`, optional `scale_type`. The
+/// packed uint8 vector.
 pub fn quantize(x: &[&Array], a: &Term) -> Outputs {
     let w = x[0];
-    weight_type(w.dtype())?;
+    let scales = scale_type(a, weight_type(w.dtype())?)?;
     let shape = w.shape();
     let group = attrs::positive(attrs::field(a, "group_size")?)?;
     match shape.last() {
@@ -85,10 +112,13 @@ pub fn quantize(x: &[&Array], a: &Term) -> Outputs {
         }
     }
     let bits = attrs::positive(attrs::field(a, "bits")?)?;
-    Ok(vec![ops::quantize(w, group, bits, mode(a)?).map_err(|e| e.message)?])
+    Ok(vec![
+        ops::quantize(w, group, bits, mode(a)?, scales).map_err(|e| e.message)?
+    ])
 }
 
-/// `[packed]`: attrs `shape`, `dense`, `bits`, `group_size`, `mode`, `type`.
+/// `[packed]`: attrs `shape`, `dense`, `scale_type` (optional), `bits`,
+/// `group_size`, `mode`, `type`.
 pub fn dequantize(x: &[&Array], a: &Term) -> Outputs {
     let d = Described::from(a)?;
     // Straight into a float output type: f16 scales dequantized into f32

@@ -8,11 +8,11 @@ use std::ptr;
 
 use crate::mlx::{ffi, Array, Dtype, Error, Result};
 
-/// How a packed weight was made: its dense shape `{..., out, in}` and type,
-/// and MLX's parameters.
+/// How a packed weight was made: its dense shape `{..., out, in}`, the type
+/// of its affine scales and biases, and MLX's parameters.
 pub struct Quant<'a> {
     pub shape: &'a [i32],
-    pub dtype: Dtype,
+    pub scales: Dtype,
     pub group_size: i32,
     pub bits: i32,
     pub mode: &'a str,
@@ -22,11 +22,12 @@ fn mode(q: &Quant) -> Result<CString> {
     CString::new(q.mode).map_err(|_| Error::new("quantize: mode holds a NUL"))
 }
 
-/// `w` quantized along its last axis, packed into one uint8 vector.
-pub fn quantize(w: &Array, group_size: i32, bits: i32, mode: &str) -> Result<Array> {
+/// `w` quantized along its last axis, packed into one uint8 vector; affine
+/// scales and biases of type `scales`.
+pub fn quantize(w: &Array, group_size: i32, bits: i32, mode: &str, scales: Dtype) -> Result<Array> {
     let mode = CString::new(mode).map_err(|_| Error::new("quantize: mode holds a NUL"))?;
     // SAFETY: `w` is live; `mode` is NUL-terminated and outlives the call.
-    Array::from_call(|out| unsafe { ffi::moat_quantize(w.raw(), group_size, bits, mode.as_ptr(), out) })
+    Array::from_call(|out| unsafe { ffi::moat_quantize(w.raw(), group_size, bits, mode.as_ptr(), scales.code(), out) })
 }
 
 /// The dense weight of `packed`, computed in and of type `out` (a float).
@@ -38,7 +39,7 @@ pub fn dequantize(packed: &Array, q: &Quant, out: Dtype) -> Result<Array> {
             packed.raw(),
             q.shape.as_ptr(),
             q.shape.len(),
-            q.dtype.code(),
+            q.scales.code(),
             out.code(),
             q.group_size,
             q.bits,
@@ -58,7 +59,7 @@ pub fn quantized_matmul(x: &Array, packed: &Array, q: &Quant, transpose: bool) -
             packed.raw(),
             q.shape.as_ptr(),
             q.shape.len(),
-            q.dtype.code(),
+            q.scales.code(),
             q.group_size,
             q.bits,
             m.as_ptr(),
@@ -95,7 +96,7 @@ pub unsafe fn gather_qmm(
             packed.raw(),
             q.shape.as_ptr(),
             q.shape.len(),
-            q.dtype.code(),
+            q.scales.code(),
             q.group_size,
             q.bits,
             m.as_ptr(),

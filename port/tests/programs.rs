@@ -377,3 +377,73 @@ fn hook_steps_send_each_firing_to_the_caller_within_a_window() {
     assert_ok(&call(&mut w, 7, "sync", nil()));
     assert_eq!(w.read(8, 24).unwrap_err().as_tuple().map(|t| t.len()), Some(4));
 }
+
+/// `x * x + x`, with `fuse: true`.
+fn fused_chain(id: u64) -> Term {
+    let steps = vec![
+        step("multiply", &[0, 0], &[1], typed("f", 32)),
+        step("add", &[1, 0], &[2], typed("f", 32)),
+    ];
+    let Term::Map(mut pairs) = program(id, 3, &[0], &[2], steps) else {
+        unreachable!()
+    };
+    pairs.push((Term::atom("fuse"), Term::atom("true")));
+    Term::Map(pairs)
+}
+
+fn scratch_dir(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("moat-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn files_under(dir: &std::path::Path) -> usize {
+    std::fs::read_dir(dir).map_or(0, |entries| {
+        entries
+            .flatten()
+            .map(|e| if e.path().is_dir() { files_under(&e.path()) } else { 1 })
+            .sum()
+    })
+}
+
+#[test]
+fn without_a_cpp_compiler_fused_programs_run_unfused_with_a_warning() {
+    let kernels = scratch_dir("no-compiler");
+    let env = [("PATH", "/nonexistent"), ("TMPDIR", kernels.to_str().unwrap())];
+    let mut w = Worker::spawn(&[], &env, std::process::Stdio::piped());
+    let _hello = w.recv();
+    let mut log = w.child.stderr.take().unwrap();
+    assert_ok(&call(&mut w, 1, "define_program", fused_chain(5)));
+    let Term::Map(mut pairs) = doubling_loop(6) else {
+        unreachable!()
+    };
+    pairs.push((Term::atom("fuse"), Term::atom("true")));
+    assert_ok(&call(&mut w, 2, "define_program", Term::Map(pairs)));
+    w.upload_f32(1, &[3], &[1.0, 2.0, -3.0]);
+    w.upload(2, &[], "s", 32, &i32_bytes(&[10]));
+    w.request(0, "run_program", &[20], &[1], Term::int(5));
+    w.request(0, "run_program", &[21, 22], &[1, 2], Term::int(6));
+    assert_eq!(w.read_f32(3, 20), vec![2.0, 6.0, 6.0]);
+    assert_eq!(w.read_f32(4, 21), vec![1024.0, 2048.0, -3072.0]);
+    assert!(w.close(std::time::Duration::from_secs(10)).success());
+    let mut text = String::new();
+    std::io::Read::read_to_string(&mut log, &mut text).unwrap();
+    assert!(text.contains("no C++ compiler (g++) for MLX's fused kernels"), "{text}");
+    assert_eq!(files_under(&kernels), 0, "nothing was compiled");
+    let _ = std::fs::remove_dir_all(&kernels);
+}
+
+#[test]
+fn fused_kernels_are_compiled_into_the_workers_tmpdir() {
+    // Moat.Worker sets TMPDIR to its kernel cache (`config :moat,
+    // kernel_cache`); MLX writes and builds its kernels there.
+    let kernels = scratch_dir("kernel-cache");
+    let mut w = Worker::start_env(&[], &[("TMPDIR", kernels.to_str().unwrap())]);
+    assert_ok(&call(&mut w, 1, "define_program", fused_chain(5)));
+    w.upload_f32(1, &[3], &[1.0, 2.0, -3.0]);
+    w.request(0, "run_program", &[20], &[1], Term::int(5));
+    assert_eq!(w.read_f32(2, 20), vec![2.0, 6.0, 6.0]);
+    assert!(files_under(&kernels) > 0, "no kernel under {kernels:?}");
+    let _ = std::fs::remove_dir_all(&kernels);
+}

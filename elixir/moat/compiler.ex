@@ -246,6 +246,10 @@ defmodule Moat.Compiler do
       case Lower.lower(expr, Keyword.get(opts, :quant, %{}), Keyword.get(opts, :hooks, %{}), opts[:device]) do
         {:ok, program, used, captures, hooks} ->
           program = if opts[:fuse] == true, do: Map.put(program, :fuse, true), else: program
+          # An output that is another's slot is that output again (the
+          # evaluator returns one tensor twice: `{x, x} = f.(t)` matches).
+          {unique, spread} = spread(program.outputs)
+          program = %{program | outputs: unique}
 
           compiled = %{
             kind: :program,
@@ -255,6 +259,7 @@ defmodule Moat.Compiler do
             captures: captures,
             output: output,
             outputs: length(program.outputs),
+            spread: spread,
             hooks: hooks,
             worker: opts[:worker],
             device: opts[:device]
@@ -267,6 +272,19 @@ defmodule Moat.Compiler do
           {{fallback(op, opts), nil}, %{cache: :miss, program_size: 0, fallback: op}}
       end
     end)
+  end
+
+  # The distinct output slots, and for each output its position among
+  # them (nil when all are distinct).
+  defp spread(outputs) do
+    unique = Enum.uniq(outputs)
+
+    if length(unique) == length(outputs) do
+      {outputs, nil}
+    else
+      position = unique |> Enum.with_index() |> Map.new()
+      {unique, Enum.map(outputs, &Map.fetch!(position, &1))}
+    end
   end
 
   defp size(steps) do
@@ -312,6 +330,7 @@ defmodule Moat.Compiler do
     outs = Client.new_ids(c.outputs)
     # Handles exist before the frame that defines their ids (see Moat.Handles.ref/2).
     refs = Enum.map(outs, &Handles.ref(conn, &1))
+    refs = if c.spread, do: Enum.map(c.spread, &Enum.at(refs, &1)), else: refs
     dispatch(conn, c.hooks, outs, ins, id)
     Cache.count(:replay)
 

@@ -226,4 +226,12 @@ defmodule Moat.CompilerHooksTest do
     assert Nx.to_number(jit(fun).(Nx.tensor([1, 2, 3]))) == 6
     assert_receive {:telemetry, [:moat, :compiler, :fallback], _, %{op: :reduce}}
   end
+
+  test "an output that is another output's value is the same tensor, as the evaluator returns it" do
+    fun = fn t -> {Nx.cos(t), Nx.cos(t)} |> then(fn {a, _} -> {a, a, Nx.sin(t)} end) end
+    assert {x, x, y} = jit(fun).(Nx.tensor(1.0))
+    assert {e, e, _} = Nx.Defn.jit(fun, compiler: Nx.Defn.Evaluator).(Nx.tensor(1.0))
+    assert Nx.to_binary(x) == Nx.to_binary(e)
+    assert Nx.to_number(y) == Nx.to_number(Nx.sin(Nx.tensor(1.0)))
+  end
 end

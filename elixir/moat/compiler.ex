@@ -86,9 +86,23 @@ defmodule Moat.Compiler do
   (indexing, integer division: their checks read values) keep their part
   unfused, as do `cond` branches. Fused results may differ from the
   evaluator's in the last bits of float math; unfused ones are equal bit
-  for bit. Off by default: in `bin/bench`, a 102-op element-wise chain ran
-  3–10× faster fused and a small while loop 3×, the MLP about as fast, and
-  the first call of a new kernel costs seconds.
+  for bit.
+
+  Off by default, by measurement (`bench/fuse_default.exs`, two runs on this
+  2-core VM under load): the first fused call of a new structure costs
+  3.1–7.0 s while MLX runs `g++` on an empty kernel cache, and 30–123 ms
+  with the kernels cached (unfused: 4–77 ms, a new worker included), where
+  a fused call then saves 0.2–2 ms (MLP 1.4–1.9× under load, 1.08× in
+  `bin/bench`'s quiet run; a 102-op element-wise chain 4.5–14×; the
+  1000-iteration while loop 3.7× and 0.57× in the two runs, 5.8× quiet). The first call on an empty cache is repaid after
+  1,700–19,000 calls, on a filled one after 20–140: worth it for a
+  long-lived serving or a training loop, not for the many one-off shapes of
+  tests, notebooks and exploratory work, whose every new structure would
+  stall for seconds. Set it per function (`Nx.Defn.jit(fun, compiler:
+  Moat.Compiler, fuse: true)`) or for all (`Nx.Defn.global_default_options(
+  compiler: Moat.Compiler, fuse: true)`). The kernel cache is `moat-kernels`
+  in the user's cache folder by default, or `config :moat, kernel_cache:`,
+  and stays valid across runs and workers.
 
   ## Hooks
 
@@ -342,7 +356,7 @@ defmodule Moat.Compiler do
     # its handles once the call is sent (reading one waits for the program).
     [] =
       Enum.reduce(outputs_hooks(c.hooks), refs, fn {fun, template, _count}, refs ->
-        {value, rest} = fill(template, refs, c.device)
+        {value, rest} = fill(Composite.traverse(template, &Nx.devectorize/1), refs, c.device)
         fun.(value)
         rest
       end)
@@ -378,9 +392,10 @@ defmodule Moat.Compiler do
     if v == n - 1 do
       {fun, template} = Map.fetch!(funs, id)
 
+      # Devectorized, as the evaluator computes hooked values.
       {value, []} =
         Composite.traverse(template, Enum.reverse(acc), fn %T{type: type} = t, [b | rest] ->
-          {Nx.BinaryBackend.from_binary(t, Moat.Types.from_storage(b, type), []), rest}
+          {Nx.BinaryBackend.from_binary(Nx.devectorize(t), Moat.Types.from_storage(b, type), []), rest}
         end)
 
       fun.(value)

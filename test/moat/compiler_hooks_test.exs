@@ -54,6 +54,14 @@ defmodule Moat.CompilerHooksTest do
       end
     end
 
+    defn vectorized_if(pred, a, b) do
+      if pred do
+        hook(a, :big)
+      else
+        hook({a, b}, :small) |> elem(1)
+      end
+    end
+
     defn many(x, n) do
       while {x, i = 0, n}, i < n do
         {hook(x + 1, :tick), i + 1, n}
@@ -67,7 +75,7 @@ defmodule Moat.CompilerHooksTest do
 
   defp recording(parent), do: Map.new(@names, &{&1, fn v -> send(parent, {:fired, &1, values(v)}) end})
 
-  defp values(%Nx.Tensor{} = t), do: {t.shape, t.type, Nx.to_binary(t)}
+  defp values(%Nx.Tensor{} = t), do: {t.shape, t.type, t.vectorized_axes, t.names, Nx.to_binary(t)}
   defp values(tuple) when is_tuple(tuple), do: tuple |> Tuple.to_list() |> Enum.map(&values/1)
 
   defp fired do
@@ -100,7 +108,7 @@ defmodule Moat.CompilerHooksTest do
     {compiled, evaluated} = both(&Loops.counted/1, [Nx.tensor(0.0)])
     assert compiled == evaluated
 
-    assert Enum.map(compiled, fn {:iteration, {{}, _, bin}} -> bin end) ==
+    assert Enum.map(compiled, fn {:iteration, {{}, _, [], [], bin}} -> bin end) ==
              Enum.map([1.0, 2.0, 3.0], &<<&1::float-32-little>>)
 
     refute_received {:telemetry, [:moat, :compiler, :fallback], _, _}
@@ -233,5 +241,14 @@ defmodule Moat.CompilerHooksTest do
     assert {e, e, _} = Nx.Defn.jit(fun, compiler: Nx.Defn.Evaluator).(Nx.tensor(1.0))
     assert Nx.to_binary(x) == Nx.to_binary(e)
     assert Nx.to_number(y) == Nx.to_number(Nx.sin(Nx.tensor(1.0)))
+  end
+
+  test "hooks of vectorized values inside a vectorized cond: devectorized, as on the evaluator" do
+    pred = Nx.vectorize(Nx.tensor([0, 1, 0]), :pred)
+    b = Nx.vectorize(Nx.tensor([[9, 10], [11, 12], [13, 14]]), :pred)
+    {compiled, evaluated} = both(&Loops.vectorized_if/3, [pred, Nx.tensor(1), b])
+    assert compiled == evaluated
+    assert [_ | _] = compiled
+    assert Enum.any?(compiled, fn {_, value} -> match?([_, {{3, 2}, _, [], [:pred, nil], _}], value) end)
   end
 end

@@ -63,6 +63,9 @@ impl Session {
     /// with the first failure (an unknown program, a poisoned input, or the
     /// step that failed, named by its op).
     fn run_program(&mut self, req: &Call, id: u64) {
+        // A run with hooks sends all its frames, its reply too, through the
+        // writer's queue, so that they arrive in order (`send_queued`).
+        let hooked = req.seq != 0 && self.programs.get(id).is_some_and(|p| p.has_hooks());
         let result = match self.programs.get(id) {
             None => Err(Failure::new(
                 "run_program",
@@ -108,7 +111,19 @@ impl Session {
                 for (id, array) in req.outs.iter().zip(arrays) {
                     self.registry.insert(*id, array);
                 }
-                self.reply(req.seq, Term::atom("nil"));
+                if hooked {
+                    let ok = protocol::ok(req.seq, Term::atom("nil"));
+                    self.out.send_queued(Outgoing::Frame(ok));
+                } else {
+                    self.reply(req.seq, Term::atom("nil"));
+                }
+            }
+            Err(failure) if hooked => {
+                for id in &req.outs {
+                    self.registry.poison(*id, failure.clone());
+                }
+                self.out
+                    .send_queued(Outgoing::Frame(protocol::error(req.seq, &failure)));
             }
             Err(failure) => self.fail(req.seq, &req.outs, failure),
         }
@@ -194,7 +209,7 @@ impl HookSink for HookLink<'_> {
             ];
             info.extend(metadata_pairs(data.array(), Some(data.bytes().len())));
             let result = protocol::hook(self.seq, protocol::map(info));
-            self.out.send(Outgoing::Data {
+            self.out.send_queued(Outgoing::Data {
                 seq: self.seq,
                 result,
                 data,

@@ -277,6 +277,111 @@ defmodule Moat.Client do
     end
   end
 
+  @doc """
+  A call whose worker sends hook values before its reply (`run_program` of
+  a program with hook steps, protocol.md §6 "Hooks"): each value arrives as
+  `{:hook, seq, info}` with its bytes, and `on_value.(info, bytes, acc)`
+  runs in the caller, in order, as they arrive, while the program goes on.
+  The caller acknowledges firings with `hook_ack` as the protocol bounds
+  them, before `on_value` runs for the firing's last value. When
+  `on_value` raises (or throws, or exits), the run is cancelled and the
+  exception goes on. Returns the call's `{:ok, result, payload}` or
+  `{:error, error}` and the final `acc`. A worker's death answers it as any
+  call, and the worker cancels a run whose caller exits.
+  """
+  @spec request_with_hooks(t(), atom(), [pos_integer()], [pos_integer()], term(), fun(), term()) ::
+          {{:ok, term(), binary()} | {:error, Error.t()}, term()}
+  def request_with_hooks(conn, op, outs, ins, attrs, on_value, acc) do
+    seq = :atomics.add_get(conn.counters, @seq, 1)
+    mref = :erlang.monitor(:process, conn.owner, alias: :demonitor)
+
+    if register(conn, seq, mref) do
+      # The owner cancels the run if this process exits before its reply.
+      send(conn.owner, {:hook_run, seq, self()})
+      hooks = %{on_value: on_value, acc: acc, firings: 0, acked: 0, bytes: 0}
+
+      try do
+        command(conn, op, Protocol.request(seq, conn.generation, op, outs, ins, attrs))
+        await_hooks(conn, op, seq, mref, [], hooks)
+      rescue
+        e in Error ->
+          forget(conn, seq, mref)
+          {{:error, e}, acc}
+      catch
+        :throw, {:moat_hook_raised, kind, reason, stacktrace} ->
+          cancel_hooks(conn, seq)
+          forget(conn, seq, mref)
+          :erlang.raise(kind, reason, stacktrace)
+      end
+    else
+      receive do
+        {:DOWN, ^mref, :process, _, reason} -> {{:error, Error.new(:worker_died, op, died(reason, conn))}, acc}
+      end
+    end
+  end
+
+  # The protocol's bounds (protocol.md §6, "Hooks"): the worker sends at
+  # most 32 firings, or past 64 MiB one more, beyond the last acknowledged;
+  # the client acknowledges every 16 firings and every 32 MiB.
+  @ack_firings 16
+  @ack_bytes 32 * 1024 * 1024
+
+  defp await_hooks(conn, op, seq, mref, chunks, hooks) do
+    receive do
+      {^mref, {:more, chunk}} ->
+        await_hooks(conn, op, seq, mref, [chunks | chunk], hooks)
+
+      {^mref, {:hook, info, last}} ->
+        bytes = join(chunks, last)
+        hooks = hook_received(conn, seq, info, byte_size(bytes), hooks)
+
+        acc =
+          try do
+            hooks.on_value.(info, bytes, hooks.acc)
+          catch
+            kind, reason -> throw({:moat_hook_raised, kind, reason, __STACKTRACE__})
+          end
+
+        await_hooks(conn, op, seq, mref, [], %{hooks | acc: acc})
+
+      {^mref, {:ok, result, last}} ->
+        Process.demonitor(mref, [:flush])
+        {{:ok, result, join(chunks, last)}, hooks.acc}
+
+      {^mref, {:error, failed_op, failure}} ->
+        Process.demonitor(mref, [:flush])
+        {{:error, Error.from_worker(failed_op, failure)}, hooks.acc}
+
+      {:DOWN, ^mref, :process, _, reason} ->
+        {{:error, Error.new(:worker_died, op, died(reason, conn))}, hooks.acc}
+    end
+  end
+
+  defp hook_received(conn, seq, %{value: v, of: n}, size, hooks) when v == n - 1 do
+    hooks = %{hooks | firings: hooks.firings + 1, bytes: hooks.bytes + size}
+
+    if hooks.firings - hooks.acked >= @ack_firings or hooks.bytes >= @ack_bytes do
+      hook_ack(conn, %{run: seq, received: hooks.firings})
+      %{hooks | acked: hooks.firings, bytes: 0}
+    else
+      hooks
+    end
+  end
+
+  defp hook_received(_conn, _seq, _info, size, hooks), do: %{hooks | bytes: hooks.bytes + size}
+
+  @doc false
+  # Stops run `seq` at its next hook (its caller raised or exited).
+  def cancel_hooks(conn, seq), do: hook_ack(conn, %{run: seq, cancel: true})
+
+  # Not admitted through the window: the worker reads acknowledgements while
+  # a run waits for them, before it acknowledges the frames ahead of them.
+  defp hook_ack(conn, attrs) do
+    command(conn, :hook_ack, Protocol.request(0, conn.generation, :hook_ack, [], [], attrs))
+  rescue
+    Error -> :ok
+  end
+
   defp register(conn, seq, mref) do
     :ets.insert(conn.table, {seq, mref})
   rescue

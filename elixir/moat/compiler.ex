@@ -38,6 +38,8 @@ defmodule Moat.Compiler do
       frame is sent the hook functions run in the caller, in the
       evaluator's order, on handles of those outputs; the program never
       stops for them (reading a value waits for it, as any readback);
+    * hooks inside a `while` body, a `cond` branch or a block's default
+      implementation (see "Hooks");
     * tensors the graph captures (literals, tensors of a closure) become
       extra inputs of the program, copied into the worker at each call when
       they live elsewhere;
@@ -50,9 +52,7 @@ defmodule Moat.Compiler do
   A graph that holds a node a program cannot run — a user function
   (`Nx.reduce/4`, `Nx.window_reduce/5`), an op that Moat.Backend runs on
   Nx.BinaryBackend (convolutions of more than 3 spatial axes, complex
-  `triangular_solve`), a hook (`hook`, `print_value`, tokens) inside a
-  `while` body, a `cond` branch or a block's default implementation, or
-  `runtime_call` — runs as a whole through `Nx.Defn.Evaluator` on
+  `triangular_solve`), or `runtime_call` — runs as a whole through `Nx.Defn.Evaluator` on
   `Moat.Backend`, after emitting `[:moat, :compiler, :fallback]` telemetry
   (metadata `:op`), or raises with `on_unsupported: :raise`. Its results
   are the evaluator's: nothing changes silently.
@@ -86,9 +86,40 @@ defmodule Moat.Compiler do
   (indexing, integer division: their checks read values) keep their part
   unfused, as do `cond` branches. Fused results may differ from the
   evaluator's in the last bits of float math; unfused ones are equal bit
-  for bit. Off by default: in `bin/bench`, a 102-op element-wise chain ran
-  3–10× faster fused and a small while loop 3×, the MLP about as fast, and
-  the first call of a new kernel costs seconds.
+  for bit.
+
+  Off by default, by measurement (`bench/fuse_default.exs`, two runs on this
+  2-core VM under load): the first fused call of a new structure costs
+  3.1–7.0 s while MLX runs `g++` on an empty kernel cache, and 30–123 ms
+  with the kernels cached (unfused: 4–77 ms, a new worker included), where
+  a fused call then saves 0.2–2 ms (MLP 1.4–1.9× under load, 1.08× in
+  `bin/bench`'s quiet run; a 102-op element-wise chain 4.5–14×; the
+  1000-iteration while loop 3.7× and 0.57× in the two runs, 5.8× quiet). The first call on an empty cache is repaid after
+  1,700–19,000 calls, on a filled one after 20–140: worth it for a
+  long-lived serving or a training loop, not for the many one-off shapes of
+  tests, notebooks and exploratory work, whose every new structure would
+  stall for seconds. Set it per function (`Nx.Defn.jit(fun, compiler:
+  Moat.Compiler, fuse: true)`) or for all (`Nx.Defn.global_default_options(
+  compiler: Moat.Compiler, fuse: true)`). The kernel cache is `moat-kernels`
+  in the user's cache folder by default, or `config :moat, kernel_cache:`,
+  and stays valid across runs and workers.
+
+  ## Hooks
+
+  In a graph with a hook inside control flow, every hook of the graph is a
+  step of the program: the worker sends its values to the caller as it
+  reaches it (per iteration, per taken branch) and goes on, and the call
+  waits for the program's end, running each hook's function as its values
+  arrive, in the order `Nx.Defn.Evaluator` runs them (protocol.md §6,
+  "Hooks"). The functions get `Nx.BinaryBackend` tensors, copies of the
+  values, so they may read them at once. At most 32 firings (and, past
+  64 MiB of values, one) travel beyond what the caller has taken, so a
+  hook in a long loop holds a bounded amount of memory however slow its
+  function; the worker waits for the caller meanwhile. A function that
+  raises stops the program and the call raises it; a caller that exits
+  stops it too. A hook function that itself waits on the same worker
+  (reading a Moat tensor) waits for the program to end, and the program
+  waits for it once 32 firings are pending: do such work after the call.
 
   ## Caches and restarts
 
@@ -229,6 +260,10 @@ defmodule Moat.Compiler do
       case Lower.lower(expr, Keyword.get(opts, :quant, %{}), Keyword.get(opts, :hooks, %{}), opts[:device]) do
         {:ok, program, used, captures, hooks} ->
           program = if opts[:fuse] == true, do: Map.put(program, :fuse, true), else: program
+          # An output that is another's slot is that output again (the
+          # evaluator returns one tensor twice: `{x, x} = f.(t)` matches).
+          {unique, spread} = spread(program.outputs)
+          program = %{program | outputs: unique}
 
           compiled = %{
             kind: :program,
@@ -238,6 +273,7 @@ defmodule Moat.Compiler do
             captures: captures,
             output: output,
             outputs: length(program.outputs),
+            spread: spread,
             hooks: hooks,
             worker: opts[:worker],
             device: opts[:device]
@@ -250,6 +286,19 @@ defmodule Moat.Compiler do
           {{fallback(op, opts), nil}, %{cache: :miss, program_size: 0, fallback: op}}
       end
     end)
+  end
+
+  # The distinct output slots, and for each output its position among
+  # them (nil when all are distinct).
+  defp spread(outputs) do
+    unique = Enum.uniq(outputs)
+
+    if length(unique) == length(outputs) do
+      {outputs, nil}
+    else
+      position = unique |> Enum.with_index() |> Map.new()
+      {unique, Enum.map(outputs, &Map.fetch!(position, &1))}
+    end
   end
 
   defp size(steps) do
@@ -295,7 +344,8 @@ defmodule Moat.Compiler do
     outs = Client.new_ids(c.outputs)
     # Handles exist before the frame that defines their ids (see Moat.Handles.ref/2).
     refs = Enum.map(outs, &Handles.ref(conn, &1))
-    if outs != [], do: Client.cast(conn, :run_program, outs, ins, id)
+    refs = if c.spread, do: Enum.map(c.spread, &Enum.at(refs, &1)), else: refs
+    dispatch(conn, c.hooks, outs, ins, id)
     Cache.count(:replay)
 
     for {m, t} <- Enum.zip(moved, tensors), m != t, do: Nx.backend_deallocate(m)
@@ -305,13 +355,54 @@ defmodule Moat.Compiler do
     # The hooks' values are the program's last outputs: each function gets
     # its handles once the call is sent (reading one waits for the program).
     [] =
-      Enum.reduce(c.hooks, refs, fn {fun, template, _count}, refs ->
-        {value, rest} = fill(template, refs, c.device)
+      Enum.reduce(outputs_hooks(c.hooks), refs, fn {fun, template, _count}, refs ->
+        {value, rest} = fill(Composite.traverse(template, &Nx.devectorize/1), refs, c.device)
         fun.(value)
         rest
       end)
 
     result
+  end
+
+  defp outputs_hooks({:live, _}), do: []
+  defp outputs_hooks(hooks), do: hooks
+
+  defp dispatch(conn, {:live, funs}, outs, ins, id) do
+    # Hooks inside control flow: the run is a call, during which the
+    # worker sends each hook's values as it reaches it; their functions run
+    # here, in the evaluator's order, while the program goes on.
+    {reply, _} = Client.request_with_hooks(conn, :run_program, outs, ins, id, &hook_value(&1, &2, &3, funs), [])
+
+    case reply do
+      {:ok, _, _} -> :ok
+      # The outputs are poisoned with it: reading them raises, as after a cast.
+      {:error, _} -> :ok
+    end
+  end
+
+  defp dispatch(_conn, _hooks, [], _ins, _id), do: :ok
+  defp dispatch(conn, _hooks, outs, ins, id), do: Client.cast(conn, :run_program, outs, ins, id)
+
+  # One value of a hook firing (as Nx.BinaryBackend tensors: the function
+  # may read them while the worker is still running the program); the
+  # function runs on the firing's last.
+  defp hook_value(%{id: id, value: v, of: n}, bytes, acc, funs) do
+    acc = [bytes | acc]
+
+    if v == n - 1 do
+      {fun, template} = Map.fetch!(funs, id)
+
+      # Devectorized, as the evaluator computes hooked values.
+      {value, []} =
+        Composite.traverse(template, Enum.reverse(acc), fn %T{type: type} = t, [b | rest] ->
+          {Nx.BinaryBackend.from_binary(Nx.devectorize(t), Moat.Types.from_storage(b, type), []), rest}
+        end)
+
+      fun.(value)
+      []
+    else
+      acc
+    end
   end
 
   defp fill(templates, refs, device) do

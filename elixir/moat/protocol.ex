@@ -37,7 +37,7 @@ defmodule Moat.Protocol do
   """
   @spec worker_atoms() :: [atom()]
   def worker_atoms do
-    ~w(hello ack progress ok more error protocol stale_generation blas openblas reference
+    ~w(hello ack progress ok more hook id value of error protocol stale_generation blas openblas reference
        chunk_bytes device device_info kind name memory compute_capability devices cpu gpu generation
        max_frame_bytes mlx os_pid bytes dtype shape u s f bf c pred shared_memory address nonce path inode
        message invalid memory_limit need in_use limit system avx512 avx2 scalar)a

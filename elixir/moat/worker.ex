@@ -207,7 +207,9 @@ defmodule Moat.Worker do
       })
 
       if watchdog, do: Process.send_after(self(), :watchdog, tick(watchdog))
-      {:ok, %{conn: conn, waiters: [], down: nil, hung: nil, watchdog: watchdog, progress: {0, now_ms()}}}
+
+      {:ok,
+       %{conn: conn, waiters: [], hook_runs: %{}, down: nil, hung: nil, watchdog: watchdog, progress: {0, now_ms()}}}
     end
   end
 
@@ -416,6 +418,28 @@ defmodule Moat.Worker do
     {:stop, {:shutdown, {:worker_died, how}}, %{state | down: how}}
   end
 
+  # A run with hooks (Moat.Client.request_with_hooks/7): its caller is
+  # watched until the run's reply, so that a caller that exits first
+  # cancels the run, which would otherwise wait for its acknowledgements.
+  def handle_info({:hook_run, seq, pid}, state) do
+    if :ets.member(state.conn.table, seq) do
+      {:noreply, %{state | hook_runs: Map.put(state.hook_runs, seq, Process.monitor(pid))}}
+    else
+      {:noreply, state}
+    end
+  end
+
+  def handle_info({:DOWN, mref, :process, _, _}, %{hook_runs: runs} = state) when map_size(runs) > 0 do
+    case Enum.find(runs, fn {_seq, ref} -> ref == mref end) do
+      {seq, _} ->
+        Client.cancel_hooks(state.conn, seq)
+        {:noreply, %{state | hook_runs: Map.delete(runs, seq)}}
+
+      nil ->
+        {:noreply, state}
+    end
+  end
+
   def handle_info(_other, state), do: {:noreply, state}
 
   # Whether any thread of the OS process is running or waiting for a CPU
@@ -517,6 +541,16 @@ defmodule Moat.Worker do
 
   defp route({:error, seq, op, failure}, _payload, state), do: reply(state, seq, {:error, op, failure})
 
+  # A value of a hook firing, sent before its run's reply.
+  defp route({:hook, seq, info}, payload, state) do
+    case :ets.lookup(state.conn.table, seq) do
+      [{^seq, alias}] -> send(alias, {alias, {:hook, info, payload}})
+      [] -> :ok
+    end
+
+    state
+  end
+
   defp route(other, _payload, state) do
     Logger.error("Moat worker sent an unexpected frame: #{inspect(other, limit: 20)}")
     state
@@ -541,6 +575,14 @@ defmodule Moat.Worker do
       [] -> :ok
     end
 
-    state
+    unwatch(state, seq)
   end
+
+  defp unwatch(%{hook_runs: runs} = state, seq) when is_map_key(runs, seq) do
+    {mref, runs} = Map.pop(runs, seq)
+    Process.demonitor(mref, [:flush])
+    %{state | hook_runs: runs}
+  end
+
+  defp unwatch(state, _seq), do: state
 end

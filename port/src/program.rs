@@ -7,9 +7,9 @@
 //! is evaluated here, in the worker. The first failing step fails the run
 //! and names its op, as an eager op would.
 
-use crate::budget::{self, EvalError};
+use crate::budget::{self, budget, EvalError};
 use crate::checks::Checks;
-use crate::mlx::{ops, Array, Compiled, Dtype};
+use crate::mlx::{ops, Array, Compiled, Dtype, Evaluated};
 use crate::ops::{builder, Builder};
 use crate::registry::Failure;
 use crate::term::Term;
@@ -75,6 +75,17 @@ enum Step {
         clauses: Vec<(Vec<Step>, usize, Branch)>,
         last: Branch,
     },
+    /// A hook (`Nx.Defn.Kernel.hook/3`, `print_value/2`, tokens): `ins`
+    /// are evaluated and sent to the caller as they are reached, while the
+    /// program goes on (`HookSink`).
+    Hook { id: u64, ins: Vec<usize> },
+}
+
+/// Where a run's hook steps send their values: the caller of `run_program`
+/// (see `session::program_calls`). `Err` stops the program with that
+/// message (the caller cancelled, or is gone).
+pub trait HookSink {
+    fn fire(&mut self, id: u64, values: Vec<Evaluated>) -> Result<(), String>;
 }
 
 /// Steps and the slots holding their results.
@@ -173,7 +184,7 @@ impl Program {
         let (inputs, outputs) = (self.inputs.clone(), self.outputs.clone());
         let body = Box::new(move |arrays: &[Array]| {
             let refs: Vec<&Array> = arrays.iter().collect();
-            let result = execute(&steps, slots, &inputs, &outputs, &refs, &checks, true);
+            let result = execute(&steps, slots, &inputs, &outputs, &refs, &checks, true, None);
             failed.set(result.is_err());
             result.map_err(|f| format!("{}: {}", f.op, f.message))
         });
@@ -191,6 +202,23 @@ impl Program {
     /// Runs the program on `inputs` (one per input slot); its outputs, or
     /// the first failure.
     pub fn run(&self, inputs: &[&Array], checks: &Checks) -> Result<Vec<Array>, Fail> {
+        self.run_with_hooks(inputs, checks, None)
+    }
+
+    /// Whether the program has hook steps (it must then run as a call, whose
+    /// caller receives their values).
+    pub fn has_hooks(&self) -> bool {
+        has_hooks(&self.steps)
+    }
+
+    /// As `run`, hook steps sending their values to `hooks` (with `None`,
+    /// a hook step fails the run).
+    pub fn run_with_hooks<'a>(
+        &self,
+        inputs: &[&Array],
+        checks: &'a Checks,
+        hooks: Option<&'a mut dyn HookSink>,
+    ) -> Result<Vec<Array>, Fail> {
         if let Some(arrays) = self.fused.as_ref().and_then(|f| f.call(inputs)) {
             budget::admit_results(&arrays).map_err(|e| Failure::new("run_program", e.to_string()))?;
             return Ok(arrays);
@@ -203,8 +231,20 @@ impl Program {
             inputs,
             checks,
             false,
+            hooks,
         )
     }
+}
+
+fn has_hooks(steps: &[Step]) -> bool {
+    steps.iter().any(|step| match step {
+        Step::Hook { .. } => true,
+        Step::Op { .. } => false,
+        Step::While { cond, body, .. } => has_hooks(cond) || has_hooks(&body.steps),
+        Step::Cond { clauses, last, .. } => {
+            has_hooks(&last.steps) || clauses.iter().any(|(p, _, b)| has_hooks(p) || has_hooks(&b.steps))
+        }
+    })
 }
 
 impl Fused {
@@ -283,6 +323,7 @@ fn fuse_loops(steps: &mut [Step], slots: usize, checks: Checks) {
                     slots: (0..slots).map(|_| None).collect(),
                     checks: &checks,
                     tracing: true,
+                    hooks: None,
                 };
                 let values = arrays.iter().map(share).collect::<Result<Vec<_>, Fail>>()?;
                 let (state_values, free_values) = values.split_at(state.len());
@@ -302,14 +343,16 @@ fn fuse_loops(steps: &mut [Step], slots: usize, checks: Checks) {
 
 /// Runs `steps` over fresh slots: `inputs` fill `input_slots`, the result
 /// is the `output_slots`.
-fn execute(
+#[allow(clippy::too_many_arguments)]
+fn execute<'a>(
     steps: &[Step],
     slots: usize,
     input_slots: &[usize],
     output_slots: &[usize],
     inputs: &[&Array],
-    checks: &Checks,
+    checks: &'a Checks,
     tracing: bool,
+    hooks: Option<&'a mut dyn HookSink>,
 ) -> Result<Vec<Array>, Fail> {
     let mut values: Vec<Option<Array>> = (0..slots).map(|_| None).collect();
     for (slot, array) in input_slots.iter().zip(inputs) {
@@ -319,6 +362,7 @@ fn execute(
         slots: values,
         checks,
         tracing,
+        hooks,
     };
     run.steps(steps)?;
     run.values(output_slots, "run_program")
@@ -533,6 +577,16 @@ impl Parser {
                 }
                 Ok(Step::Cond { outs, clauses, last })
             }
+            "hook" => {
+                let id = get("id")?
+                    .as_int()
+                    .and_then(|i| u64::try_from(i).ok())
+                    .ok_or_else(|| format!("hook: id must be an integer >= 0, got {attrs}"))?;
+                if ins.is_empty() || !outs.is_empty() {
+                    return Err("hook: it reads one or more slots and defines none".into());
+                }
+                Ok(Step::Hook { id, ins })
+            }
             _ => {
                 let (arity, builder) = builder(name).ok_or_else(|| format!("unknown op {name}"))?;
                 if !arity.accepts(ins.len()) {
@@ -582,6 +636,8 @@ struct Run<'a> {
     checks: &'a Checks,
     /// Inside `mlx::core::compile`'s trace.
     tracing: bool,
+    /// Where hook steps send their values.
+    hooks: Option<&'a mut dyn HookSink>,
 }
 
 fn share(array: &Array) -> Result<Array, Fail> {
@@ -680,6 +736,30 @@ impl Run<'_> {
                 self.set(outs, values);
                 Ok(())
             }
+            Step::Hook { id, ins } => self.hook(*id, ins),
+        }
+    }
+
+    /// Evaluates a hook's values (within the memory limit, as a readback)
+    /// and sends them to the caller.
+    fn hook(&mut self, id: u64, ins: &[usize]) -> Result<(), Fail> {
+        let mut values = Vec::with_capacity(ins.len());
+        for slot in ins {
+            let array = self.get(*slot, "hook")?;
+            budget::evaluate(&[array]).map_err(|e| eval_failure("hook", e))?;
+            if !array.row_contiguous() {
+                budget()
+                    .admit(array.nbytes())
+                    .map_err(|e| Failure::new("hook", e.to_string()))?;
+            }
+            values.push(array.evaluate().map_err(|e| Failure::new("hook", e.message))?);
+        }
+        match self.hooks.as_deref_mut() {
+            Some(sink) => sink.fire(id, values).map_err(|m| Failure::new("hook", m)),
+            None => Err(Failure::new(
+                "hook",
+                "a program with hooks runs as a call (seq > 0), whose caller receives their values".to_string(),
+            )),
         }
     }
 

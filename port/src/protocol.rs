@@ -134,6 +134,12 @@ pub fn memory_pressure(active: usize) -> Term {
     Term::tuple(vec![Term::atom("memory_pressure"), Term::int(active as u64)])
 }
 
+/// `{:hook, seq, info}`: one value of a hook firing of run `seq`, its bytes
+/// the payload (after `{:more, seq}` chunks when they exceed one).
+pub fn hook(seq: u64, info: Term) -> Term {
+    Term::tuple(vec![Term::atom("hook"), Term::int(seq), info])
+}
+
 pub fn more(seq: u64) -> Term {
     Term::tuple(vec![Term::atom("more"), Term::int(seq)])
 }

@@ -107,6 +107,16 @@ impl Replies {
     }
 }
 
+impl Replies {
+    /// Sends `msg` through the writer thread, behind everything queued,
+    /// never written at once: frames sent this way keep their order among
+    /// themselves (a run's hook frames and its reply, which one inline
+    /// write could overtake).
+    pub fn send_queued(&self, msg: Outgoing) {
+        let _ = self.queue.send(msg);
+    }
+}
+
 /// The writer thread's half: it drains the queue, splitting large readbacks
 /// into `chunk_bytes` frames.
 pub struct Writer {

@@ -15,7 +15,7 @@ use crate::replies::{Outgoing, Replies};
 use crate::shared::{Sealed, SealedCopy};
 use crate::term::Term;
 use crossbeam_channel::{Receiver, TryRecvError};
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::rc::Rc;
 use std::sync::Arc;
 
@@ -23,7 +23,7 @@ mod command;
 mod memory_calls;
 mod program_calls;
 
-pub use command::{Call, Command, Incoming, Name, Pin, Refusal, Upload, REQUESTS};
+pub use command::{Call, Command, HookAck, Incoming, Name, Pin, Refusal, Upload, REQUESTS};
 
 /// Every op this worker knows: the requests, then the op table.
 pub fn op_names() -> Vec<&'static str> {
@@ -60,6 +60,11 @@ pub struct Session {
     processed: u64,
     acked: u64,
     pressure: Pressure,
+    /// The session's input, which a run with hooks reads while it waits for
+    /// its caller's `hook_ack`s (see `program_calls`).
+    inbox: Option<Receiver<Incoming>>,
+    /// What that run read and did not serve: served next, in order.
+    deferred: VecDeque<Incoming>,
 }
 
 impl Session {
@@ -76,6 +81,8 @@ impl Session {
             processed: 0,
             acked: 0,
             pressure: Pressure::default(),
+            inbox: None,
+            deferred: VecDeque::new(),
         }
     }
 
@@ -94,8 +101,13 @@ impl Session {
 
     /// Serves until the reader hangs up.
     pub fn run(mut self, rx: Receiver<Incoming>) {
+        self.inbox = Some(rx.clone());
         loop {
-            let msg = match rx.try_recv() {
+            let next = match self.deferred.pop_front() {
+                Some(msg) => Ok(msg),
+                None => rx.try_recv(),
+            };
+            let msg = match next {
                 Ok(msg) => msg,
                 Err(TryRecvError::Empty) => {
                     self.ack();
@@ -191,6 +203,9 @@ impl Session {
             }
             Ok(Command::Memory(call)) => self.memory_call(req.seq, &req.op, call),
             Ok(Command::Program(call)) => self.program_call(&req, call),
+            // An acknowledgement that arrives after its run ended (a
+            // cancel, say) has nothing left to do.
+            Ok(Command::HookAck(_)) => self.reply(req.seq, Term::atom("nil")),
             Ok(Command::Op(entry, attrs)) => self.build(&req, entry, &attrs),
         }
     }

@@ -277,3 +277,173 @@ fn a_fused_program_gives_the_unfused_results() {
     // The second run replays the fused trace.
     assert_eq!(w.read_bytes(5, 12), unfused);
 }
+
+/// `doubling_loop` with a hook step on each iteration's new `acc` and `i`.
+fn hooked(id: u64) -> Term {
+    let s32 = |v: i32| {
+        map(vec![
+            ("shape", Term::nil()),
+            ("type", ty("s", 32)),
+            ("value", Term::Binary(v.to_le_bytes().to_vec())),
+        ])
+    };
+    let less = map(vec![("input_type", ty("s", 32)), ("type", ty("u", 8))]);
+    let body = map(vec![
+        ("state", ids(&[3, 4])),
+        ("cond", Term::List(vec![step("less", &[3, 1], &[5], less)])),
+        ("pred", Term::int(5)),
+        (
+            "body",
+            Term::List(vec![
+                step("constant", &[], &[6], s32(1)),
+                step("add", &[3, 6], &[7], typed("s", 32)),
+                step("constant", &[], &[8], f32_scalar(2.0)),
+                step("multiply", &[4, 8], &[9], typed("f", 32)),
+                step("hook", &[9, 7], &[], map(vec![("id", Term::int(4))])),
+            ]),
+        ),
+        ("results", ids(&[7, 9])),
+    ]);
+    let steps = vec![
+        step("constant", &[], &[2], s32(0)),
+        step("while", &[2, 0], &[10, 11], body),
+    ];
+    program(id, 12, &[0, 1], &[11, 10], steps)
+}
+
+/// The next frame, which must be value `value` of a firing of hook 4 of run `seq`.
+fn hook_frame(w: &mut Worker, seq: u64, value: u64) -> Vec<u8> {
+    let (header, payload) = w.recv();
+    let parts = header.as_tuple().unwrap_or_else(|| panic!("{header}"));
+    assert!(
+        parts[0].is_atom("hook") && parts[1].as_int() == Some(seq as _),
+        "{header}"
+    );
+    let info = &parts[2];
+    assert_eq!(info.get("id").and_then(Term::as_int), Some(4), "{header}");
+    assert_eq!(info.get("value").and_then(Term::as_int), Some(value as _), "{header}");
+    assert_eq!(info.get("of").and_then(Term::as_int), Some(2), "{header}");
+    payload
+}
+
+#[test]
+fn hook_steps_send_each_firing_to_the_caller_within_a_window() {
+    let mut w = Worker::start(&[]);
+    assert_ok(&call(&mut w, 1, "define_program", hooked(3)));
+    w.upload_f32(1, &[2], &[1.0, -0.5]);
+    w.upload(2, &[], "s", 32, &i32_bytes(&[80]));
+
+    // Fire-and-forget, nobody would receive the values: the run fails.
+    w.request(0, "run_program", &[20, 21], &[1, 2], Term::int(3));
+    let (op, message) = error_parts(&w.read(2, 20).unwrap_err());
+    assert_eq!(op, "hook");
+    assert!(message.contains("runs as a call"), "{message}");
+
+    // As a call: 80 firings, in order, each acc then i, acknowledged every
+    // 16; a sync sent meanwhile is answered after the run.
+    w.request(3, "run_program", &[22, 23], &[1, 2], Term::int(3));
+    w.request(4, "sync", &[], &[], nil());
+    for k in 1..=80u32 {
+        let acc = hook_frame(&mut w, 3, 0);
+        assert_eq!(acc, f32_bytes(&[2f32.powi(k as i32), -0.5 * 2f32.powi(k as i32)]));
+        assert_eq!(i32_values(&hook_frame(&mut w, 3, 1)), vec![k as i32]);
+        if k % 16 == 0 {
+            let ack = map(vec![("run", Term::int(3)), ("received", Term::int(k as u64))]);
+            w.request(0, "hook_ack", &[], &[], ack);
+        }
+    }
+    assert_ok(&w.recv().0);
+    assert_ok(&w.recv().0);
+    assert_eq!(i32_values(&w.read_bytes(5, 23)), vec![80]);
+
+    // A caller that stops acknowledging gets at most 32 firings; a cancel
+    // ends the run with op `hook`, and the worker serves what comes next.
+    w.upload(3, &[], "s", 32, &i32_bytes(&[1_000_000]));
+    w.request(6, "run_program", &[24, 25], &[1, 3], Term::int(3));
+    for _ in 0..32 {
+        hook_frame(&mut w, 6, 0);
+        hook_frame(&mut w, 6, 1);
+    }
+    w.request(
+        0,
+        "hook_ack",
+        &[],
+        &[],
+        map(vec![("run", Term::int(6)), ("cancel", Term::atom("true"))]),
+    );
+    let (op, message) = error_parts(&w.recv().0);
+    assert_eq!(op, "hook");
+    assert!(message.contains("stopped the run"), "{message}");
+    assert_ok(&call(&mut w, 7, "sync", nil()));
+    assert_eq!(w.read(8, 24).unwrap_err().as_tuple().map(|t| t.len()), Some(4));
+}
+
+/// `x * x + x`, with `fuse: true`.
+fn fused_chain(id: u64) -> Term {
+    let steps = vec![
+        step("multiply", &[0, 0], &[1], typed("f", 32)),
+        step("add", &[1, 0], &[2], typed("f", 32)),
+    ];
+    let Term::Map(mut pairs) = program(id, 3, &[0], &[2], steps) else {
+        unreachable!()
+    };
+    pairs.push((Term::atom("fuse"), Term::atom("true")));
+    Term::Map(pairs)
+}
+
+fn scratch_dir(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("moat-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn files_under(dir: &std::path::Path) -> usize {
+    std::fs::read_dir(dir).map_or(0, |entries| {
+        entries
+            .flatten()
+            .map(|e| if e.path().is_dir() { files_under(&e.path()) } else { 1 })
+            .sum()
+    })
+}
+
+#[test]
+fn without_a_cpp_compiler_fused_programs_run_unfused_with_a_warning() {
+    let kernels = scratch_dir("no-compiler");
+    let env = [("PATH", "/nonexistent"), ("TMPDIR", kernels.to_str().unwrap())];
+    let mut w = Worker::spawn(&[], &env, std::process::Stdio::piped());
+    let _hello = w.recv();
+    let mut log = w.child.stderr.take().unwrap();
+    assert_ok(&call(&mut w, 1, "define_program", fused_chain(5)));
+    let Term::Map(mut pairs) = doubling_loop(6) else {
+        unreachable!()
+    };
+    pairs.push((Term::atom("fuse"), Term::atom("true")));
+    assert_ok(&call(&mut w, 2, "define_program", Term::Map(pairs)));
+    w.upload_f32(1, &[3], &[1.0, 2.0, -3.0]);
+    w.upload(2, &[], "s", 32, &i32_bytes(&[10]));
+    w.request(0, "run_program", &[20], &[1], Term::int(5));
+    w.request(0, "run_program", &[21, 22], &[1, 2], Term::int(6));
+    assert_eq!(w.read_f32(3, 20), vec![2.0, 6.0, 6.0]);
+    assert_eq!(w.read_f32(4, 21), vec![1024.0, 2048.0, -3072.0]);
+    assert!(w.close(std::time::Duration::from_secs(10)).success());
+    let mut text = String::new();
+    std::io::Read::read_to_string(&mut log, &mut text).unwrap();
+    assert!(text.contains("no C++ compiler (g++) for MLX's fused kernels"), "{text}");
+    assert_eq!(files_under(&kernels), 0, "nothing was compiled");
+    let _ = std::fs::remove_dir_all(&kernels);
+}
+
+#[test]
+fn fused_kernels_are_compiled_into_the_workers_tmpdir() {
+    // Moat.Worker sets TMPDIR to its kernel cache (`config :moat,
+    // kernel_cache`); MLX writes and builds its kernels there.
+    let kernels = scratch_dir("kernel-cache");
+    let mut w = Worker::start_env(&[], &[("TMPDIR", kernels.to_str().unwrap())]);
+    assert_ok(&call(&mut w, 1, "define_program", fused_chain(5)));
+    w.upload_f32(1, &[3], &[1.0, 2.0, -3.0]);
+    w.request(0, "run_program", &[20], &[1], Term::int(5));
+    assert_eq!(w.read_f32(2, 20), vec![2.0, 6.0, 6.0]);
+    assert!(files_under(&kernels) > 0, "no kernel under {kernels:?}");
+    let _ = std::fs::remove_dir_all(&kernels);
+}

@@ -75,4 +75,41 @@ defmodule Moat.CompilerWorkerTest do
     for {fun, k} <- Enum.with_index(funs, 1), do: assert(Nx.to_number(fun.(Nx.tensor(1.0))) == 1.0 + k)
     assert Moat.compiler_info(@worker).programs <= 2
   end
+
+  describe "the kernel cache" do
+    @describetag :cpu_only
+    @describetag timeout: 120_000
+
+    defp worker_tmpdir(name) do
+      "/proc/#{os_pid(name)}/environ"
+      |> File.read!()
+      |> String.split(<<0>>)
+      |> Enum.find_value(fn
+        "TMPDIR=" <> dir -> dir
+        _ -> nil
+      end)
+    end
+
+    test "is under the user's cache by default, where the worker's MLX builds its kernels" do
+      assert worker_tmpdir(@worker) == to_string(:filename.basedir(:user_cache, ~c"moat-kernels"))
+    end
+
+    test "is the folder :kernel_cache names; fused kernels are built there" do
+      dir = Path.join(System.tmp_dir!(), "moat-kernel-cache-#{System.unique_integer([:positive])}")
+      on_exit(fn -> File.rm_rf!(dir) end)
+      start_worker(:kernel_cache_worker, kernel_cache: dir)
+      assert worker_tmpdir(:kernel_cache_worker) == dir
+
+      fun =
+        Nx.Defn.jit(&(&1 |> Nx.multiply(3) |> Nx.subtract(1) |> Nx.exp()),
+          compiler: Moat.Compiler,
+          worker: :kernel_cache_worker,
+          fuse: true
+        )
+
+      x = Nx.backend_transfer(Nx.tensor([0.0, 1.0]), {Moat.Backend, worker: :kernel_cache_worker})
+      assert Nx.to_flat_list(fun.(x)) |> Enum.map(&Float.round(&1, 4)) == [0.3679, 7.3891]
+      assert Path.wildcard(Path.join(dir, "**/*.so")) != []
+    end
+  end
 end

@@ -28,30 +28,50 @@ defmodule Moat.Compiler.Lower do
   outputs are the graph's, then each hook's values (`hooks`, in the order
   the evaluator runs them: `{fun, template, count}`). `hooks` is the
   `:hooks` option (name => function) that overrides named hooks.
+
+  A graph with a hook inside control flow (a `while` body, a `cond`
+  branch, a block's default implementation) is lowered `live`: every hook
+  is then a `{:hook, slots, [], %{id: id}}` step, which sends its values to
+  the caller as the worker reaches it, and `hooks` is `{:live, %{id =>
+  {fun, template}}}`.
   """
-  def lower(expr, quant \\ %{}, hooks \\ %{}, device \\ :cpu) do
+  def lower(expr, quant \\ %{}, hooks \\ %{}, device \\ :cpu, live \\ false) do
     Recorder.start()
-    Recorder.update(&Map.merge(&1, %{quant: quant, hook_funs: hooks, hooks: [], device: device}))
+    Recorder.update(&Map.merge(&1, %{quant: quant, hook_funs: hooks, hooks: [], device: device, live: live}))
 
-    try do
-      {outputs, steps} =
-        frame(%{}, true, Tree.scope_ids(expr), fn ->
-          expr |> Composite.traverse(&lower_node/1) |> flat() |> Enum.map(&Recorder.slot/1)
-        end)
+    result =
+      try do
+        {outputs, steps} =
+          frame(%{}, true, Tree.scope_ids(expr), fn ->
+            expr |> Composite.traverse(&lower_node/1) |> flat() |> Enum.map(&Recorder.slot/1)
+          end)
 
-      state = Recorder.get()
-      {positions, param_slots} = state.inputs |> Enum.sort() |> Enum.unzip()
-      {capture_slots, captures} = state.capture_list |> Enum.reverse() |> Enum.unzip()
-      hooks = Enum.reverse(state.hooks)
-      hook_slots = Enum.flat_map(hooks, fn {_fun, _template, slots} -> slots end)
-      hooks = Enum.map(hooks, fn {fun, template, slots} -> {fun, template, length(slots)} end)
-      outputs = outputs ++ hook_slots
-      program = %{slots: state.next, inputs: param_slots ++ capture_slots, outputs: outputs, steps: steps}
-      {:ok, program, positions, captures, hooks}
-    catch
-      {:moat_unsupported, op} -> {:unsupported, op}
-    after
-      Recorder.stop()
+        state = Recorder.get()
+        {positions, param_slots} = state.inputs |> Enum.sort() |> Enum.unzip()
+        {capture_slots, captures} = state.capture_list |> Enum.reverse() |> Enum.unzip()
+
+        {hook_slots, hooks} =
+          if live do
+            {[], {:live, Map.new(state.hooks, fn {fun, template, id} -> {id, {fun, template}} end)}}
+          else
+            hooks = Enum.reverse(state.hooks)
+            hook_slots = Enum.flat_map(hooks, fn {_fun, _template, slots} -> slots end)
+            {hook_slots, Enum.map(hooks, fn {fun, template, slots} -> {fun, template, length(slots)} end)}
+          end
+
+        outputs = outputs ++ hook_slots
+        program = %{slots: state.next, inputs: param_slots ++ capture_slots, outputs: outputs, steps: steps}
+        {:ok, program, positions, captures, hooks}
+      catch
+        {:moat_unsupported, :hook} when not live -> {:relower, :live}
+        {:moat_unsupported, op} -> {:unsupported, op}
+      after
+        Recorder.stop()
+      end
+
+    case result do
+      {:relower, :live} -> lower(expr, quant, hooks, device, true)
+      result -> result
     end
   end
 
@@ -144,10 +164,11 @@ defmodule Moat.Compiler.Lower do
   # the program, and Moat.Compiler calls its function on them after the
   # call's frame is sent, so the program never stops for it. Elsewhere a
   # hook fires per iteration or per taken branch, which only the worker
-  # knows: that graph runs on the evaluator.
+  # knows: the graph is lowered again `live` (see lower/5), where every
+  # hook is a step that sends its values to the caller.
   defp apply_node(:hook, %T{data: %Expr{args: [tensor_expr, spec, template, _ref]}} = t) do
-    %{scopes: scopes, top: top} = Recorder.get()
-    unless top and length(scopes) == 1, do: Recorder.unsupported!(:hook)
+    %{scopes: scopes, top: top, live: live} = Recorder.get()
+    unless live or (top and length(scopes) == 1), do: Recorder.unsupported!(:hook)
     value = Composite.traverse(tensor_expr, &lower_node/1)
 
     {hooked, template, spec} =
@@ -163,6 +184,12 @@ defmodule Moat.Compiler.Lower do
     case hook_fun(spec, Recorder.get().hook_funs) do
       nil ->
         :ok
+
+      fun when live ->
+        slots = hooked |> flat() |> Enum.map(&Recorder.slot/1)
+        id = length(Recorder.get().hooks)
+        Recorder.push({:hook, slots, [], %{id: id}})
+        Recorder.update(&%{&1 | hooks: [{fun, template, id} | &1.hooks]})
 
       fun ->
         slots = hooked |> flat() |> Enum.map(&Recorder.slot/1)

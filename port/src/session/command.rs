@@ -60,6 +60,7 @@ requests! {
     DefineProgram = "define_program",
     RunProgram = "run_program",
     ReleaseProgram = "release_program",
+    HookAck = "hook_ack",
     #[cfg(feature = "fault-injection")]
     Fault = "fault",
 }
@@ -101,6 +102,9 @@ pub enum Command {
     Release,
     Memory(MemoryCall),
     Program(ProgramCall),
+    /// The caller of a run with hooks has received its hook frames, or
+    /// cancels it (see `program_calls`).
+    HookAck(HookAck),
     /// A graph op: its table entry and its attrs.
     Op(&'static ops::Entry, Term),
     #[cfg(feature = "fault-injection")]
@@ -219,9 +223,41 @@ fn command(req: &Request, attrs: Term, name: Option<Name>) -> Result<Command, Re
         Some(Name::DefineProgram) => Command::Program(ProgramCall::Define(attrs)),
         Some(Name::RunProgram) => Command::Program(ProgramCall::run(&attrs).map_err(poisons)?),
         Some(Name::ReleaseProgram) => Command::Program(ProgramCall::release(&attrs)),
+        Some(Name::HookAck) => Command::HookAck(HookAck::parse(&attrs).map_err(defines_none)?),
         #[cfg(feature = "fault-injection")]
         Some(Name::Fault) => Command::Fault(attrs),
     })
+}
+
+/// `hook_ack`'s attrs: `%{run: seq, received: n}` (the caller of run `seq`
+/// has received `n` of its hook firings) or `%{run: seq, cancel: true}`.
+pub struct HookAck {
+    pub run: u64,
+    pub received: u64,
+    pub cancel: bool,
+}
+
+impl HookAck {
+    fn parse(attrs: &Term) -> Result<HookAck, String> {
+        let int = |key| {
+            attrs
+                .get(key)
+                .and_then(Term::as_int)
+                .and_then(|i| u64::try_from(i).ok())
+        };
+        let cancel = attrs.get("cancel").is_some_and(|t| t.is_atom("true"));
+        match (int("run"), int("received")) {
+            (Some(run), Some(received)) => Ok(HookAck { run, received, cancel }),
+            (Some(run), None) if cancel => Ok(HookAck {
+                run,
+                received: 0,
+                cancel,
+            }),
+            _ => Err(format!(
+                "hook_ack takes %{{run: seq, received: n}} or %{{run: seq, cancel: true}}, got {attrs}"
+            )),
+        }
+    }
 }
 
 /// `to_binary`'s attrs: `nil` with no outs, or a pin (see `Pin`).

@@ -186,30 +186,3 @@ pub fn pending_bytes(arrays: &[&Array]) -> Result<usize> {
         .iter()
         .fold(0usize, |sum, p| sum.saturating_add(p.bytes)))
 }
-
-/// The most nodes `holds_f64` looks at: an op builds a few dozen.
-const F64_WALK_MAX: usize = 4096;
-
-/// Whether the graph between `inputs` and `outputs` (the nodes an op just
-/// built, not the inputs' own history) holds a float64 node that is still to
-/// be computed. MLX's CUDA backend accepts such a graph and fails only when
-/// it evaluates it ("float64 is not supported on the GPU"), so a GPU worker
-/// builds those ops on the CPU (`ops::build`).
-pub fn holds_f64(outputs: &[Array], inputs: &[&Array]) -> Result<bool> {
-    let stop: HashSet<usize> = inputs.iter().map(|a| a.node_id()).collect();
-    let mut seen = HashSet::new();
-    let mut stack: Vec<Array> = outputs.iter().map(Array::share).collect::<Result<_>>()?;
-    while let Some(node) = stack.pop() {
-        if stop.contains(&node.node_id()) || !node.unscheduled() || !seen.insert(node.node_id()) {
-            continue;
-        }
-        if node.dtype() == super::Dtype::F64 || node.siblings()?.iter().any(|s| s.dtype() == super::Dtype::F64) {
-            return Ok(true);
-        }
-        if seen.len() >= F64_WALK_MAX {
-            return Ok(false);
-        }
-        stack.extend(node.inputs()?);
-    }
-    Ok(false)
-}

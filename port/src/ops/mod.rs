@@ -229,30 +229,14 @@ pub fn builder(op: &str) -> Option<(Arity, Builder)> {
 }
 
 /// Runs a builder. On the GPU, an op that MLX's CUDA backend refuses to
-/// build (a kernel it lacks, such as int64 scatter) or that computes in
-/// float64 inside (c64 functions as Nx computes them, exact integer
-/// products, `triangular_solve`), which MLX's CUDA backend would refuse only
-/// when evaluating it, is built on the CPU instead, from the same inputs and
-/// to the same types: MLX moves the data between the devices. A float64
-/// result stays on the GPU and fails there, as the client never asks for one.
+/// build (float64 inside, or a kernel it lacks, such as int64 scatter) is
+/// built on the CPU instead, from the same inputs and to the same types:
+/// MLX moves the data between the devices.
 pub fn build(builder: Builder, inputs: &[&Array], a: &Term) -> Outputs {
-    if !crate::mlx::on_gpu() {
-        return builder(inputs, a);
-    }
     match builder(inputs, a) {
-        Err(e) if gpu_unsupported(&e) => crate::mlx::on_cpu(|| builder(inputs, a)),
-        Ok(outputs) if computes_in_f64(&outputs, inputs)? => crate::mlx::on_cpu(|| builder(inputs, a)),
+        Err(e) if crate::mlx::on_gpu() && gpu_unsupported(&e) => crate::mlx::on_cpu(|| builder(inputs, a)),
         other => other,
     }
-}
-
-/// Whether what a builder returned computes in float64 on the way to
-/// results of other types (see `mlx::memory::holds_f64`).
-pub fn computes_in_f64(outputs: &[Array], inputs: &[&Array]) -> Result<bool, String> {
-    if outputs.iter().any(|o| o.dtype() == crate::mlx::Dtype::F64) {
-        return Ok(false);
-    }
-    crate::mlx::memory::holds_f64(outputs, inputs).map_err(|e| e.message)
 }
 
 fn gpu_unsupported(message: &str) -> bool {
@@ -274,71 +258,5 @@ fn to_out_type(x: &Array, a: &Term) -> Result<Array, String> {
     match attrs::out_type(a)? {
         Some(t) if t != x.dtype() => ops::astype(x, t).map_err(|e| e.message),
         _ => x.share().map_err(|e| e.message),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    // What a GPU worker builds on the CPU because it computes in float64
-    // inside (`build`), decided from the graph alone, so checked here on
-    // the CPU; the GPU run (bin/gpu) checks the results there.
-    use super::*;
-    use crate::mlx::Dtype;
-    use crate::protocol::map;
-
-    fn ty(kind: &str, bits: i64) -> Term {
-        Term::tuple(vec![Term::atom(kind), Term::int(bits)])
-    }
-
-    fn built(op: &str, inputs: &[&Array], a: &Term) -> bool {
-        let (_, builder) = builder(op).expect("an op of the table");
-        let outputs = builder(inputs, a).expect("builds");
-        computes_in_f64(&outputs, inputs).expect("walks")
-    }
-
-    fn matrix(dtype: Dtype) -> Array {
-        let m = Array::from_values(&[2.0f32, 0.0, 1.0, 3.0], &[2, 2]).unwrap();
-        ops::astype(&m, dtype).unwrap()
-    }
-
-    #[test]
-    fn ops_that_compute_in_f64_inside_are_found_from_their_graph() {
-        let (ints, c64) = (matrix(Dtype::S32), matrix(Dtype::C64));
-        let solve = map(vec![
-            ("left_side", Term::atom("true")),
-            ("lower", Term::atom("true")),
-            ("transform_a", Term::atom("none")),
-            ("type", ty("f", 32)),
-        ]);
-        assert!(built("triangular_solve", &[&ints, &ints], &solve));
-        assert!(built("exp", &[&c64], &map(vec![("type", ty("c", 64))])));
-        let dot = |t: Term| {
-            map(vec![
-                ("contract_a", Term::List(vec![Term::int(1)])),
-                ("batch_a", Term::List(vec![])),
-                ("contract_b", Term::List(vec![Term::int(0)])),
-                ("batch_b", Term::List(vec![])),
-                ("type", t),
-            ])
-        };
-        assert!(
-            built("dot", &[&ints, &ints], &dot(ty("s", 32))),
-            "exact integer products"
-        );
-    }
-
-    #[test]
-    fn ops_in_their_own_types_and_f64_results_are_not_moved() {
-        let (f32s, ints) = (matrix(Dtype::F32), matrix(Dtype::S32));
-        assert!(!built("add", &[&f32s, &f32s], &map(vec![("type", ty("f", 32))])));
-        assert!(!built("add", &[&ints, &ints], &map(vec![("type", ty("s", 32))])));
-        assert!(!built("exp", &[&f32s], &map(vec![("type", ty("f", 32))])));
-        // A float64 result is what the client never asks of a GPU: it stays
-        // there and fails, rather than coming back from the CPU.
-        let wide = ops::astype(&f32s, Dtype::F64).unwrap();
-        assert!(!computes_in_f64(&[wide], &[&f32s]).unwrap());
-        // The inputs' own history is not the op's.
-        let lazy = ops::astype(&ops::astype(&f32s, Dtype::F64).unwrap(), Dtype::F32).unwrap();
-        assert!(!built("add", &[&lazy, &lazy], &map(vec![("type", ty("f", 32))])));
     }
 }

@@ -31,6 +31,23 @@ fn sets() -> Vec<&'static str> {
     v
 }
 
+/// A worker for each kernel set, forced by MOAT_CPU_FEATURES. On a GPU the
+/// sets are the CPU's and change nothing (MLX's CUDA kernels compute every
+/// product there, each compiled by NVRTC on first use, seconds apiece), so
+/// there one worker runs the products once.
+fn workers() -> Vec<(&'static str, Worker)> {
+    let mut out = Vec::new();
+    for set in sets() {
+        let w = Worker::start_env(&[], &[("MOAT_CPU_FEATURES", set)]);
+        let gpu = w.on_gpu();
+        out.push((set, w));
+        if gpu {
+            break;
+        }
+    }
+    out
+}
+
 /// Deterministic values in [-1, 1).
 fn values(n: usize, seed: u64) -> Vec<f32> {
     let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
@@ -102,8 +119,7 @@ fn assert_close(got: &[f32], want: &[f32], what: &str) {
 #[test]
 fn the_product_matches_dequantize_then_multiply_for_every_width_and_set() {
     let (n, k) = (70, 256);
-    for set in sets() {
-        let mut w = Worker::start_env(&[], &[("MOAT_CPU_FEATURES", set)]);
+    for (set, mut w) in workers() {
         w.upload_f32(3, &[n, k], &values((n * k) as usize, 1));
         for m in [1, 2, 3, 5, 9] {
             w.upload_f32(2, &[m, k], &values((m * k) as usize, 2 + m as u64));
@@ -136,8 +152,7 @@ fn the_product_matches_dequantize_then_multiply_for_every_width_and_set() {
 #[test]
 fn rows_that_are_not_a_multiple_of_64_values() {
     let (n, k) = (9, 96);
-    for set in sets() {
-        let mut w = Worker::start_env(&[], &[("MOAT_CPU_FEATURES", set)]);
+    for (set, mut w) in workers() {
         w.upload_f32(3, &[n, k], &values((n * k) as usize, 11));
         for m in [1, 2, 5] {
             w.upload_f32(2, &[m, k], &values((m * k) as usize, 12 + m as u64));
@@ -161,8 +176,7 @@ fn rows_that_are_not_a_multiple_of_64_values() {
 #[test]
 fn batched_strided_broadcast_and_empty_inputs() {
     let (n, k) = (16, 64);
-    for set in sets() {
-        let mut w = Worker::start_env(&[], &[("MOAT_CPU_FEATURES", set)]);
+    for (set, mut w) in workers() {
         w.upload_f32(3, &[n, k], &values((n * k) as usize, 7));
         let attrs = map(vec![
             ("bits", Term::int(4)),
@@ -198,8 +212,7 @@ fn batched_strided_broadcast_and_empty_inputs() {
 #[test]
 fn half_width_weights_keep_their_scales_and_compute_in_f32() {
     let (n, k) = (12, 128);
-    for set in sets() {
-        let mut w = Worker::start_env(&[], &[("MOAT_CPU_FEATURES", set)]);
+    for (set, mut w) in workers() {
         w.upload_f32(4, &[n, k], &values((n * k) as usize, 11));
         w.upload_f32(2, &[2, k], &values((2 * k) as usize, 12));
         for (kind, bits) in [("f", 16), ("bf", 16)] {

@@ -356,14 +356,36 @@ const GATED_NODES: usize = 32;
 /// as in one `eval`.
 fn eval_batched(pending: Vec<memory::Pending>, arrays: &[&Array]) -> Result<(), EvalError> {
     if pending.len() > 1 {
-        let mut nodes: Vec<Array> = pending.into_iter().rev().map(|p| p.node).collect();
-        while !nodes.is_empty() {
-            let run = nodes.split_off(nodes.len().saturating_sub(GATED_NODES));
-            let refs: Vec<&Array> = run.iter().rev().collect();
+        let nodes: Vec<Array> = pending.into_iter().map(|p| p.node).collect();
+        for run in runs(&kinds(&nodes), GATED_NODES) {
+            let refs: Vec<&Array> = nodes[run].iter().collect();
             mlx::async_eval_gated(&refs).map_err(EvalError::Mlx)?;
         }
     }
     mlx::eval(arrays).map_err(EvalError::Mlx)
+}
+
+/// Per node, whether it is float64, on a GPU worker, where that matters;
+/// all `false` elsewhere. MLX evaluates a list of arrays through one node on
+/// the stream of the first, which reads all of them, and refuses a float64
+/// input to a GPU node: the f64 nodes of an op built on the CPU
+/// (`ops::build`) must not share an evaluation with GPU nodes.
+fn kinds(nodes: &[Array]) -> Vec<bool> {
+    let gpu = mlx::on_gpu();
+    nodes.iter().map(|n| gpu && n.dtype() == mlx::Dtype::F64).collect()
+}
+
+/// Consecutive runs of at most `max` nodes, each of one kind, in order.
+fn runs(kinds: &[bool], max: usize) -> Vec<std::ops::Range<usize>> {
+    let mut out = Vec::new();
+    let mut start = 0;
+    for i in 1..=kinds.len() {
+        if i == kinds.len() || kinds[i] != kinds[start] || i - start == max {
+            out.push(start..i);
+            start = i;
+        }
+    }
+    out
 }
 
 /// Evaluates `array` within the limit and copies out its elements: for the
@@ -381,8 +403,11 @@ pub fn read<T: Element>(array: &Array) -> Result<Vec<T>, String> {
 /// holds (no later node, no registered tensor) is freed.
 fn evaluate_step(nodes: Vec<Array>, bytes: usize) -> Result<(), EvalError> {
     let _held = budget().reserve(bytes).map_err(EvalError::Exceeded)?;
-    let refs: Vec<&Array> = nodes.iter().collect();
-    mlx::eval(&refs).map_err(EvalError::Mlx)
+    for run in runs(&kinds(&nodes), usize::MAX) {
+        let refs: Vec<&Array> = nodes[run].iter().collect();
+        mlx::eval(&refs).map_err(EvalError::Mlx)?;
+    }
+    Ok(())
 }
 
 /// Watches the live buffers for the client's garbage collector.
@@ -432,6 +457,15 @@ fn human(bytes: usize) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn evaluation_runs_keep_the_order_never_mix_kinds_and_stay_short() {
+        assert_eq!(runs(&[], 3), Vec::<std::ops::Range<usize>>::new());
+        assert_eq!(runs(&[false; 7], 3), vec![0..3, 3..6, 6..7]);
+        let kinds = [false, true, true, false, false, false, false, true];
+        assert_eq!(runs(&kinds, 3), vec![0..1, 1..3, 3..6, 6..7, 7..8]);
+        assert_eq!(runs(&kinds, usize::MAX), vec![0..1, 1..3, 3..7, 7..8]);
+    }
 
     #[test]
     fn sizes_read_as_people_write_them() {

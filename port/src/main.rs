@@ -120,7 +120,18 @@ fn parse_args() -> Result<Options, String> {
     Ok(opts)
 }
 
+/// MLX's CUDA backend runs f32 matrix products on TF32 tensor cores unless
+/// told otherwise; Moat's default is full f32, as on the CPU, for every way
+/// the worker is started (Moat.Worker's `:tf32` sets the variable itself).
+fn full_f32_by_default() {
+    if std::env::var_os("MLX_ENABLE_TF32").is_none() {
+        // Before any thread starts and before MLX reads the variable.
+        std::env::set_var("MLX_ENABLE_TF32", "0");
+    }
+}
+
 fn main() {
+    full_f32_by_default();
     if std::env::args().skip(1).eq(["--list-ops"]) {
         // The ops this build knows, one a line (tests compare them with
         // protocol.md and with what the client sends).

@@ -4,7 +4,11 @@
 //! the scalar fallback forced by MOAT_CPU_FEATURES, and MLX's) agrees with
 //! dequantize-then-multiply in f32, for every bit width and group size, odd
 //! row counts, batched, strided, broadcast and empty inputs, and half-width
-//! scales; mismatched descriptions fail the op with the cause.
+//! scales; mismatched descriptions fail the op with the cause. On a GPU
+//! worker both sides run on the card, and its f32 products are full f32 (the
+//! worker's default: it sets MLX_ENABLE_TF32=0 unless told otherwise; TF32
+//! would be 10-bit-mantissa inputs, 2.5e-3 of the scale off), so the same
+//! tolerance holds there.
 
 mod common;
 
@@ -38,6 +42,23 @@ fn sets() -> Vec<&'static str> {
         v.push("avx512");
     }
     v
+}
+
+/// A worker for each kernel set, forced by MOAT_CPU_FEATURES. On a GPU the
+/// sets are the CPU's and change nothing (MLX's CUDA kernels compute every
+/// product there, each compiled by NVRTC on first use, seconds apiece), so
+/// there one worker runs the products once.
+fn workers() -> Vec<(&'static str, Worker)> {
+    let mut out = Vec::new();
+    for set in sets() {
+        let w = Worker::start_env(&[], &[("MOAT_CPU_FEATURES", set)]);
+        let gpu = w.on_gpu();
+        out.push((set, w));
+        if gpu {
+            break;
+        }
+    }
+    out
 }
 
 /// Deterministic values in [-1, 1).
@@ -124,8 +145,7 @@ fn assert_close(got: &[f32], want: &[f32], what: &str) {
 #[test]
 fn the_product_matches_dequantize_then_multiply_for_every_width_and_set() {
     let (n, k) = (70, 256);
-    for set in sets() {
-        let mut w = Worker::start_env(&[], &[("MOAT_CPU_FEATURES", set)]);
+    for (set, mut w) in workers() {
         w.upload_f32(3, &[n, k], &values((n * k) as usize, 1));
         for m in [1, 2, 3, 5, 9] {
             w.upload_f32(2, &[m, k], &values((m * k) as usize, 2 + m as u64));
@@ -159,8 +179,7 @@ fn the_product_matches_dequantize_then_multiply_for_every_width_and_set() {
 #[test]
 fn rows_that_are_not_a_multiple_of_64_values_or_of_16_groups() {
     for (n, k, group) in [(9, 96, 32), (5, 1088, 32), (5, 1088, 64)] {
-        for set in sets() {
-            let mut w = Worker::start_env(&[], &[("MOAT_CPU_FEATURES", set)]);
+        for (set, mut w) in workers() {
             w.upload_f32(3, &[n, k], &values((n * k) as usize, 11));
             for m in [1, 2, 5] {
                 w.upload_f32(2, &[m, k], &values((m * k) as usize, 12 + m as u64));
@@ -185,8 +204,7 @@ fn rows_that_are_not_a_multiple_of_64_values_or_of_16_groups() {
 #[test]
 fn batched_strided_broadcast_and_empty_inputs() {
     let (n, k) = (16, 64);
-    for set in sets() {
-        let mut w = Worker::start_env(&[], &[("MOAT_CPU_FEATURES", set)]);
+    for (set, mut w) in workers() {
         w.upload_f32(3, &[n, k], &values((n * k) as usize, 7));
         let attrs = map(vec![
             ("bits", Term::int(4)),
@@ -222,8 +240,7 @@ fn batched_strided_broadcast_and_empty_inputs() {
 #[test]
 fn half_width_weights_keep_their_scales_and_compute_in_f32() {
     let (n, k) = (12, 128);
-    for set in sets() {
-        let mut w = Worker::start_env(&[], &[("MOAT_CPU_FEATURES", set)]);
+    for (set, mut w) in workers() {
         w.upload_f32(4, &[n, k], &values((n * k) as usize, 11));
         w.upload_f32(2, &[2, k], &values((2 * k) as usize, 12));
         for (kind, bits) in [("f", 16), ("bf", 16)] {

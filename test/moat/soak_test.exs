@@ -30,8 +30,13 @@ defmodule Moat.SoakTest do
     end
 
     # MLX's peak is the most active memory reached: the bound held throughout.
+    # On a GPU, MLX frees what a finished kernel held on its completion
+    # thread, a moment later, so one iteration's two temporaries may still be
+    # counted when the next begins (the H200 showed 8.4 MB over the CPU's
+    # bound once); the end state below is exact on both.
     %{peak: peak} = Moat.memory_info(w)
-    assert peak < 2 * live_bytes + @cache_limit
+    in_flight = if Moat.Worker.info(w).device == :gpu, do: 2 * 4 * @mib, else: 0
+    assert peak < 2 * live_bytes + @cache_limit + in_flight
 
     :erlang.garbage_collect()
 

@@ -34,7 +34,8 @@ pub fn gather(x: &[&Array], a: &Term) -> Outputs {
     }
     let rows = flat.rows(indices)?;
     // SAFETY: `rows` are checked row numbers of `flat.array` (`Indexed::rows`).
-    finish(unsafe { ops::take(&flat.array, &rows, 0) }, a)
+    let taken = unsafe { ops::take(&as_bits(&flat.array)?, &rows, 0) }?;
+    finish(from_bits(taken, tensor.dtype()), a)
 }
 
 /// `take(tensor, indices, axis)`: the axis is replaced by the indices' shape.
@@ -42,8 +43,8 @@ pub fn take(x: &[&Array], a: &Term) -> Outputs {
     let axis = attrs::axis(attrs::field(a, "axis")?, x[0].shape().len())?;
     // SAFETY: the result is returned only once `checked` has checked its
     // indices; until then nothing evaluates it.
-    let taken = unsafe { ops::take(x[0], x[1], axis) }?;
-    checked(taken, x[0], x[1], axis, a)
+    let taken = unsafe { ops::take(&as_bits(x[0])?, &gather_indices(x[1])?, axis) }?;
+    checked(from_bits(taken, x[0].dtype())?, x[0], x[1], axis, a)
 }
 
 /// `take_along_axis(tensor, indices, axis)`: indices have the tensor's shape
@@ -51,8 +52,45 @@ pub fn take(x: &[&Array], a: &Term) -> Outputs {
 pub fn take_along_axis(x: &[&Array], a: &Term) -> Outputs {
     let axis = attrs::axis(attrs::field(a, "axis")?, x[0].shape().len())?;
     // SAFETY: as in `take`.
-    let taken = unsafe { ops::take_along_axis(x[0], x[1], axis) }?;
-    checked(taken, x[0], x[1], axis, a)
+    let taken = unsafe { ops::take_along_axis(&as_bits(x[0])?, &gather_indices(x[1])?, axis) }?;
+    checked(from_bits(taken, x[0].dtype())?, x[0], x[1], axis, a)
+}
+
+/// MLX's CUDA backend compiles (NVRTC) a gather module for each element type
+/// and index type on first use, 2 to 8 s each on the H200, so a worker that
+/// meets many pairs spends minutes compiling. On the GPU the elements
+/// therefore move as unsigned integers of their width, and the indices as
+/// s32 (exact once checked: every axis fits in s32), so four modules serve
+/// every type. The CPU's kernels are compiled ahead: nothing changes there.
+fn as_bits(x: &Array) -> crate::mlx::Result<Array> {
+    if !crate::mlx::on_gpu() {
+        return x.share();
+    }
+    let bits = match x.dtype().size() {
+        1 => Dtype::U8,
+        2 => Dtype::U16,
+        4 => Dtype::U32,
+        _ => Dtype::U64,
+    };
+    ops::view(x, bits)
+}
+
+/// A gathered array of `as_bits` back in its own type.
+fn from_bits(x: Array, dtype: Dtype) -> crate::mlx::Result<Array> {
+    if x.dtype() == dtype {
+        Ok(x)
+    } else {
+        ops::view(&x, dtype)
+    }
+}
+
+/// Indices as the GPU's one gather index type (see `as_bits`).
+fn gather_indices(indices: &Array) -> crate::mlx::Result<Array> {
+    if crate::mlx::on_gpu() && indices.dtype() != Dtype::S32 {
+        ops::astype(indices, Dtype::S32)
+    } else {
+        indices.share()
+    }
 }
 
 /// `taken` once its indices are checked.

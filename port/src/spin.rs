@@ -14,11 +14,15 @@
 //! gap between two polls shows the thread was preempted (the CPU is wanted
 //! elsewhere, and then vCPUs do not halt anyway), and adapts: a spin that
 //! found its message doubles the budget (up to the bound), one that ran out
-//! halves it, down to nothing; from nothing, a wait that ended within the
-//! bound starts it again at an eighth. So a caller in a round-trip loop
-//! keeps the spin and an idle or loaded worker drops it. `MOAT_SPIN_US`
+//! halves it, down to nothing. From nothing, it starts again only when a
+//! wake-up was expensive (the reader stamps each hand-over, `handed_over`,
+//! and the session measures how long after it it woke) and a spin would
+//! have caught the message: so a caller in a round-trip loop on an idle VM
+//! keeps the spin, and a worker on a busy machine (cheap wake-ups) or an
+//! idle one drops it. `MOAT_SPIN_US`
 //! sets the bound (default 50; 0 turns spinning off).
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
@@ -85,11 +89,41 @@ impl Spinner {
             return park();
         }
         let got = park();
-        if start.elapsed() <= self.bound {
-            self.budget = self.bound / 8;
-        }
+        self.after_park(start, last_handed_over(), Instant::now());
         got
     }
+
+    /// After a wait that did not spin: whether the next one should. It
+    /// should when a spin would have caught the message (it was handed
+    /// over within the bound) and parking cost a lot (the wake-up took at
+    /// least `EXPENSIVE`, as on an idle VM); on a busy machine wake-ups are
+    /// cheap, and the thread keeps parking.
+    fn after_park(&mut self, start: Instant, handed_over: Instant, woke: Instant) {
+        let arrived = handed_over.saturating_duration_since(start);
+        if !self.bound.is_zero() && woke.saturating_duration_since(handed_over) >= EXPENSIVE && arrived <= self.bound {
+            self.budget = (arrived * 2).clamp(FLOOR, self.bound);
+        }
+    }
+}
+
+/// A wake-up at least this slow is worth spinning to avoid.
+const EXPENSIVE: Duration = Duration::from_micros(15);
+
+fn epoch() -> Instant {
+    static EPOCH: OnceLock<Instant> = OnceLock::new();
+    *EPOCH.get_or_init(Instant::now)
+}
+
+static HANDED_OVER: AtomicU64 = AtomicU64::new(0);
+
+/// Stamps the moment the reader hands a message to the session thread, so
+/// that the session can tell what its last wake-up cost.
+pub fn handed_over() {
+    HANDED_OVER.store(epoch().elapsed().as_nanos() as u64, Ordering::Relaxed);
+}
+
+fn last_handed_over() -> Instant {
+    epoch() + Duration::from_nanos(HANDED_OVER.load(Ordering::Relaxed))
 }
 
 #[cfg(test)]
@@ -117,7 +151,7 @@ mod tests {
     }
 
     #[test]
-    fn spins_that_run_out_halve_the_budget_down_to_nothing_and_a_short_wait_starts_it_again() {
+    fn spins_that_run_out_halve_the_budget_down_to_nothing_and_an_expensive_wake_up_starts_it_again() {
         let bound = Duration::from_micros(64);
         let mut s = Spinner::with_bound(bound);
         // 64, 32, ... 1 µs, each spun out: 7 halvings.
@@ -125,25 +159,28 @@ mod tests {
             s.wait(|| None::<i32>, || 0);
         }
         assert_eq!(s.budget, Duration::ZERO);
-        // Parked at once (no budget), and the wait was short.
-        s.wait(|| -> Option<i32> { unreachable!() }, || 0);
-        assert_eq!(s.budget, bound / 8);
+        // Parked at once (no budget): an expensive wake-up of a message that
+        // came 10 µs into the wait starts it again at twice that.
+        let t = Instant::now();
+        let us = Duration::from_micros;
+        s.after_park(t, t + us(10), t + us(50));
+        assert_eq!(s.budget, us(20));
         // A spin that finds its message doubles it.
         s.wait(|| Some(1), || unreachable!());
-        assert_eq!(s.budget, bound / 4);
+        assert_eq!(s.budget, us(40));
     }
 
     #[test]
-    fn a_long_wait_from_nothing_keeps_nothing() {
-        let mut s = Spinner::with_bound(Duration::from_micros(10));
+    fn cheap_wake_ups_or_late_messages_do_not_start_it_again() {
+        let us = Duration::from_micros;
+        let mut s = Spinner::with_bound(us(50));
         s.budget = Duration::ZERO;
-        s.wait(
-            || -> Option<i32> { unreachable!() },
-            || {
-                std::thread::sleep(Duration::from_millis(2));
-                0
-            },
-        );
+        let t = Instant::now();
+        // Woken 5 µs after the hand-over: cheap, parking is fine.
+        s.after_park(t, t + us(10), t + us(15));
+        assert_eq!(s.budget, Duration::ZERO);
+        // Handed over after the bound: no spin would have caught it.
+        s.after_park(t, t + us(80), t + us(200));
         assert_eq!(s.budget, Duration::ZERO);
     }
 

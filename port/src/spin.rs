@@ -20,14 +20,17 @@
 //! have caught the message: so a caller in a round-trip loop on an idle VM
 //! keeps the spin, and a worker on a busy machine (cheap wake-ups) or an
 //! idle one drops it. `MOAT_SPIN_US`
-//! sets the bound (default 50; 0 turns spinning off).
+//! sets the bound in µs (default 0, off: see `DEFAULT_US`).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-/// The default longest spin.
-const DEFAULT_US: u64 = 50;
+/// The default longest spin: none. Under a heavy load (other processes
+/// runnable), a wake-up is slow for want of a CPU, not because a vCPU
+/// halted, and spinning then cost more than it saved (docs/latency.md); on
+/// an idle VM `MOAT_SPIN_US=50` is the setting to try.
+const DEFAULT_US: u64 = 0;
 
 fn bound() -> Duration {
     static BOUND: OnceLock<Duration> = OnceLock::new();

@@ -260,19 +260,14 @@ defmodule Profile do
     for {{k, fa}, {k, fb}} <- Enum.zip(a, b) do
       for _ <- 1..200, do: {fa.(), fb.()}
       costs = for r <- 1..6, do: if(rem(r, 2) == 0, do: {:a, cost(pa, n, fa)}, else: {:b, cost(pb, n, fb)})
-      walls = for i <- 1..n, do: paired(rem(i, 2) == 0, fa, fb)
-      {xs, ys} = Enum.unzip(walls)
+      # Blocks of 200 calls, alternating: a worker's threads spin for a
+      # while after each frame (port/src/spin.rs), so calls paired one by
+      # one would have each worker spinning while the other serves.
+      blocks = for i <- 1..div(n, 200), do: {samples(200, if(rem(i, 2) == 0, do: fa, else: fb)), rem(i, 2) == 0}
+      {xs, ys} = {for({s, true} <- blocks, do: s), for({s, false} <- blocks, do: s)}
       m = fn side, i -> fmt(median(for {^side, c} <- costs, do: elem(c, i))) end
-      row([k, fmt(median(xs)), fmt(median(ys)), m.(:a, 0), m.(:b, 0), m.(:a, 1), m.(:b, 1)])
+      row([k, fmt(median(List.flatten(xs))), fmt(median(List.flatten(ys))), m.(:a, 0), m.(:b, 0), m.(:a, 1), m.(:b, 1)])
     end
-  end
-
-  # Alternates which of the two runs first.
-  defp paired(true, fa, fb), do: {time_us(fa), time_us(fb)}
-
-  defp paired(false, fa, fb) do
-    y = time_us(fb)
-    {time_us(fa), y}
   end
 
   defp calls(worker) do
@@ -281,8 +276,16 @@ defmodule Profile do
     evaluated = Nx.add(small, small)
     Nx.to_binary(evaluated)
 
+    cat = Port.open({:spawn_executable, System.find_executable("cat")}, [:binary, {:packet, 4}])
+
+    echo = fn ->
+      Port.command(cat, "a small frame")
+      receive do: ({^cat, {:data, _}} -> :ok)
+    end
+
     {conn.info.os_pid,
      [
+       {"bare port echo (`cat`; the same on both sides)", echo},
        {"`:sync`", fn -> {:ok, _, _} = Moat.Client.call(conn, :sync, [], nil) end},
        {"readback f32[4]", fn -> Nx.to_binary(evaluated) end},
        {"add + readback", fn -> small |> Nx.add(small) |> Nx.to_binary() end},

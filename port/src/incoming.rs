@@ -63,6 +63,7 @@ pub fn read_loop(frames: impl FrameSource, config: ReaderConfig, tx: Sender<Inco
         if let Incoming::Call { call, .. } = &msg {
             crate::trace::stamp("R", call.seq);
         }
+        crate::spin::handed_over();
         if tx.send(msg).is_err() {
             break;
         }

@@ -9,7 +9,8 @@
 //! must pass), `registry` (ids to arrays), `program` (graphs defined once and
 //! run many times), `budget` (the memory limit), `shared` (same-host transfers
 //! through shared memory), `ops` (the op table), `mlx` (the safe layer over
-//! the C++ shim), `sys` (OS calls) and `trace` (the latency trace).
+//! the C++ shim), `sys` (OS calls), `spin` (bounded spinning before the
+//! session thread parks) and `trace` (the latency trace).
 
 pub mod budget;
 pub mod checks;
@@ -30,6 +31,7 @@ pub mod replies;
 #[allow(clippy::wrong_self_convention)]
 pub mod session;
 pub mod shared;
+pub mod spin;
 pub mod sys;
 pub mod term;
 pub mod trace;

@@ -13,6 +13,7 @@ use crate::protocol::{self, Id, Malformed};
 use crate::registry::{Failure, Registry};
 use crate::replies::{Outgoing, Replies};
 use crate::shared::{Sealed, SealedCopy};
+use crate::spin::Spinner;
 use crate::term::Term;
 use crossbeam_channel::{Receiver, TryRecvError};
 use std::collections::{HashMap, HashSet, VecDeque};
@@ -102,6 +103,7 @@ impl Session {
     /// Serves until the reader hangs up.
     pub fn run(mut self, rx: Receiver<Incoming>) {
         self.inbox = Some(rx.clone());
+        let mut spinner = Spinner::default();
         loop {
             let next = match self.deferred.pop_front() {
                 Some(msg) => Ok(msg),
@@ -111,9 +113,16 @@ impl Session {
                 Ok(msg) => msg,
                 Err(TryRecvError::Empty) => {
                     self.ack();
-                    match rx.recv() {
-                        Ok(msg) => msg,
-                        Err(_) => return,
+                    let next = spinner.wait(
+                        || match rx.try_recv() {
+                            Err(TryRecvError::Empty) => None,
+                            got => Some(got.ok()),
+                        },
+                        || rx.recv().ok(),
+                    );
+                    match next {
+                        Some(msg) => msg,
+                        None => return,
                     }
                 }
                 Err(TryRecvError::Disconnected) => return,

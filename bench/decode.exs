@@ -11,11 +11,22 @@
 #   4-bit            compiled + fused with Moat.quantize(w, bits: 4,
 #                    group_size: 64) weights (skipped without Moat.quantize)
 #
+#   compiled + fused, donate: false
+#                    the same program with the caches copied per step
+#                    (Moat.Compiler's donate: false), for the copy that
+#                    donation saves
+#
+# Then the roofline: every decode step reads each weight matrix once (and
+# the tied head), so no path beats (read bandwidth) / (weight bytes) tok/s.
+# The bandwidth is measured in the same run by reading the same weights in
+# the worker: the sum of each, and a one-row product with each (the
+# decode's own kernel); the faster counts.
+#
 # Run with `bin/bench decode` (or mix run -r bench/support.exs bench/decode.exs).
 # Defaults (~100M parameters): MOAT_DECODE_LAYERS=12 DIM=768 HEADS=12
 # KV_HEADS=4 FFN=2048 VOCAB=32000 PROMPT=32 TOKENS=128 TYPES=f32,bf16,
-# each read as MOAT_DECODE_<NAME>. Decode tok/s is 1 / the median step;
-# prefill is the median of 3.
+# each read as MOAT_DECODE_<NAME>; MOAT_DECODE_SIZE=small for ~9M. Decode
+# tok/s is 1 / the median step; prefill is the median of 3.
 
 import Bench
 alias Moat.{Fast, KVCache}
@@ -23,13 +34,21 @@ alias Moat.{Fast, KVCache}
 env = fn name, default -> System.get_env("MOAT_DECODE_" <> name, default) end
 int = fn name, default -> String.to_integer(env.(name, Integer.to_string(default))) end
 
+# MOAT_DECODE_SIZE=small: a ~9M-parameter model, where per-op costs weigh
+# more than the weights' bytes (each variable still overrides it).
+preset =
+  case env.("SIZE", "default") do
+    "small" -> %{layers: 4, dim: 384, heads: 6, kv_heads: 2, ffn: 1024, vocab: 8000}
+    _ -> %{layers: 12, dim: 768, heads: 12, kv_heads: 4, ffn: 2048, vocab: 32000}
+  end
+
 cfg = %{
-  layers: int.("LAYERS", 12),
-  dim: int.("DIM", 768),
-  heads: int.("HEADS", 12),
-  kv_heads: int.("KV_HEADS", 4),
-  ffn: int.("FFN", 2048),
-  vocab: int.("VOCAB", 32000),
+  layers: int.("LAYERS", preset.layers),
+  dim: int.("DIM", preset.dim),
+  heads: int.("HEADS", preset.heads),
+  kv_heads: int.("KV_HEADS", preset.kv_heads),
+  ffn: int.("FFN", preset.ffn),
+  vocab: int.("VOCAB", preset.vocab),
   prompt: int.("PROMPT", 32),
   tokens: int.("TOKENS", 128)
 }
@@ -191,49 +210,131 @@ generate = fn step, caches_fun, params, tokens ->
   {prefill, times, out}
 end
 
+jit = fn fused, opts -> Nx.Defn.jit(&Decoder.step(cfg, fused, &1, &2, &3), [compiler: Moat.Compiler] ++ opts) end
+
 variants = [
   {"eager", fn -> &Decoder.step(cfg, false, &1, &2, &3) end, false, false},
-  {"compiled", fn -> Nx.Defn.jit(&Decoder.step(cfg, false, &1, &2, &3), compiler: Moat.Compiler) end, true, false},
-  {"compiled + fused", fn -> Nx.Defn.jit(&Decoder.step(cfg, true, &1, &2, &3), compiler: Moat.Compiler) end, true,
-   false},
-  {"compiled + fused", fn -> Nx.Defn.jit(&Decoder.step(cfg, true, &1, &2, &3), compiler: Moat.Compiler) end, true, true}
+  {"compiled", fn -> jit.(false, []) end, true, false},
+  {"compiled + fused", fn -> jit.(true, []) end, true, false},
+  {"compiled + fused, donate: false", fn -> jit.(true, donate: false) end, true, false},
+  {"compiled + fused", fn -> jit.(true, []) end, true, true}
 ]
+
+# {bytes, GB/s of the sums, GB/s of the one-row products}: the weights a
+# decode step reads, and the rate at which the worker reads them (the best
+# of 7, as STREAM reports: on a shared machine the median is the load's).
+bandwidth = fn params ->
+  weights = for(l <- Tuple.to_list(params.layers), {_, w} <- l, Nx.rank(w) == 2, do: w) ++ [params.head]
+  bytes = Enum.sum(for w <- weights, do: Nx.byte_size(w))
+
+  ones =
+    Map.new(weights, fn w ->
+      {elem(w.shape, 1), Nx.broadcast(Nx.tensor(1.0, type: w.type, backend: Moat.Backend), {1, elem(w.shape, 1)})}
+    end)
+
+  sums = fn -> weights |> Enum.map(&Nx.sum/1) |> Nx.stack() |> Nx.to_binary() end
+
+  rows = fn ->
+    weights |> Enum.map(&(Nx.dot(ones[elem(&1.shape, 1)], [1], &1, [1]) |> Nx.sum())) |> Nx.stack() |> Nx.to_binary()
+  end
+
+  for f <- [sums, rows], do: f.()
+  {bytes, for(f <- [sums, rows], do: bytes / Enum.min(samples(7, f)) / 1000)}
+end
+
+# ms to copy the caches once (what a step without donation adds: each
+# kv_write copies its buffer), the best of 7.
+cache_copy = fn type ->
+  caches = Decoder.caches(cfg, type, false)
+  buffers = for c <- Tuple.to_list(caches), t <- [c.keys, c.values], do: Nx.add(t, 0)
+  Moat.eval(Enum.map(buffers, & &1.data.ref))
+  copy = fn -> Moat.eval(Enum.map(buffers, &Nx.multiply(&1, 1).data.ref)) end
+  copy.()
+  Enum.min(samples(7, copy)) / 1000
+end
 
 IO.puts("### Generation: prefill #{cfg.prompt} tokens, greedy decode of #{cfg.tokens} (one run)\n")
 row(["weights", "path", "prefill (ms)", "decode (tok/s)", "vs eager", "tokens = eager's"])
 row(["---", "---", "---:", "---:", "---:", "---"])
 
-for type <- types do
-  dense = Decoder.params(cfg, type)
+cache_bytes = fn type ->
+  2 * cfg.layers * cfg.kv_heads * (cfg.prompt + cfg.tokens) * cfg.head_dim * elem(type, 1) / 8
+end
 
-  Enum.reduce(variants, nil, fn {name, make, tensors, quantized}, eager ->
-    label = if quantized, do: "4-bit (#{Nx.Type.to_string(type)} activations)", else: Nx.Type.to_string(type)
+summary =
+  for type <- types do
+    dense = Decoder.params(cfg, type)
 
-    if quantized and not function_exported?(Moat, :quantize, 2) do
-      row([label, name, "—", "—", "skipped: no Moat.quantize", "—"])
-      eager
-    else
-      params = if quantized, do: Decoder.quantize(dense), else: dense
-      step = make.()
-      caches = fn -> Decoder.caches(cfg, type, tensors) end
-      # Warm-up: lowering, program definition, first-call costs.
-      generate.(step, caches, params, 3)
-      prefills = for _ <- 1..2, do: elem(generate.(step, caches, params, 1), 0)
-      {prefill, times, out} = generate.(step, caches, params, cfg.tokens)
-      rate = 1.0e6 / median(times)
-      {eager_rate, eager_out} = eager || {rate, out}
-      same = Enum.count(Enum.zip(out, eager_out), fn {a, b} -> a == b end)
+    before = bandwidth.(dense)
 
-      row([
-        label,
-        name,
-        fmt(median([prefill | prefills]) / 1000),
-        fmt(rate),
-        ratio(rate, eager_rate),
-        "#{same}/#{length(out)}"
-      ])
+    rates =
+      Enum.reduce(variants, %{}, fn {name, make, tensors, quantized}, acc ->
+        eager = acc[:eager]
+        label = if quantized, do: "4-bit (#{Nx.Type.to_string(type)} activations)", else: Nx.Type.to_string(type)
 
-      eager || {rate, out}
-    end
-  end)
+        if quantized and not function_exported?(Moat, :quantize, 2) do
+          row([label, name, "—", "—", "skipped: no Moat.quantize", "—"])
+          acc
+        else
+          params = if quantized, do: Decoder.quantize(dense), else: dense
+          step = make.()
+          caches = fn -> Decoder.caches(cfg, type, tensors) end
+          # Warm-up: lowering, program definition, first-call costs.
+          generate.(step, caches, params, 3)
+          prefills = for _ <- 1..2, do: elem(generate.(step, caches, params, 1), 0)
+          {prefill, times, out} = generate.(step, caches, params, cfg.tokens)
+          rate = 1.0e6 / median(times)
+          {eager_rate, eager_out} = eager || {rate, out}
+          same = Enum.count(Enum.zip(out, eager_out), fn {a, b} -> a == b end)
+
+          row([
+            label,
+            name,
+            fmt(median([prefill | prefills]) / 1000),
+            fmt(rate),
+            ratio(rate, eager_rate),
+            "#{same}/#{length(out)}"
+          ])
+
+          acc |> Map.put_new(:eager, {rate, out}) |> Map.put({name, quantized}, median(times))
+        end
+      end)
+
+    {bytes, after_} = bandwidth.(dense)
+    {type, rates, {bytes, Enum.zip_with(elem(before, 1), after_, &max/2)}, cache_copy.(type)}
+  end
+
+IO.puts("\n### Against the roofline: each step reads every weight once (same run)\n")
+
+row([
+  "weights",
+  "bytes read per token (MB)",
+  "read bandwidth, sum / one-row product (GB/s)",
+  "roofline (tok/s)",
+  "eager",
+  "compiled + fused",
+  "3× eager",
+  "compiled + fused / roofline",
+  "cache copy per step: MB, ms (the copy alone), ms (median step, donate: false − donated)"
+])
+
+row(["---", "---:", "---:", "---:", "---:", "---:", "---:", "---:", "---:"])
+
+for {type, rates, {bytes, [sum_bw, row_bw]}, copy_ms} <- summary do
+  roof = max(sum_bw, row_bw) * 1.0e9 / bytes
+  {eager, _} = rates.eager
+  fused = 1.0e6 / rates[{"compiled + fused", false}]
+  copy = rates[{"compiled + fused, donate: false", false}] - rates[{"compiled + fused", false}]
+
+  row([
+    Nx.Type.to_string(type),
+    fmt(bytes / 1.0e6),
+    "#{fmt(sum_bw)} / #{fmt(row_bw)}",
+    fmt(roof),
+    fmt(eager),
+    fmt(fused),
+    fmt(3 * eager) <> if(3 * eager > roof, do: " (above the roofline)", else: ""),
+    "#{round(100 * fused / roof)}%",
+    "#{fmt(cache_bytes.(type) / 1.0e6)}, #{fmt(copy_ms)}, #{fmt(copy / 1000)}"
+  ])
 end

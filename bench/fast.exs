@@ -4,8 +4,10 @@
 # the (small) result back; medians of one run. Run with
 #   mix run -r bench/support.exs bench/fast.exs
 # On the CPU, MLX's fast kernels fall back to compositions of the same ops
-# (mlx-cpu 0.32.4), so expect about 1x there: what the fused call saves is
-# frames and graph nodes, not arithmetic.
+# (mlx-cpu 0.32.4); rms_norm and attention run the worker's own one-pass
+# kernels instead (fast.cpp: one read and one write per row; attention reads
+# each kv head's keys and values once for all its query heads, online
+# softmax), the others save frames and graph nodes, not arithmetic.
 
 import Bench
 alias Moat.Fast

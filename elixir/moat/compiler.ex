@@ -68,6 +68,13 @@ defmodule Moat.Compiler do
       element-wise, shape, reduction and dot ops through
       `mlx::core::compile`, which fuses element-wise chains into single
       kernels (default `false`; see "Fusion")
+    * `:donate` - `true` (default) lets a program write the caches its
+      arguments hold in place: an argument that a `Moat.KVCache.update/3`
+      (or `Moat.KVCache.write/4`) inside the function writes is spent by
+      the call, as it is eagerly, and the program writes its buffer
+      instead of copying the whole cache per call; `false` keeps the
+      arguments readable (each call then copies such a cache once).
+      Captured tensors are never spent
     * `:max_concurrency` - partitions for `Nx.Serving` (default 1)
     * `:hooks` - a map of functions overriding named hooks, as for
       `Nx.Defn.Evaluator`
@@ -218,8 +225,10 @@ defmodule Moat.Compiler do
   defp source(_compiled, key), do: fn -> Cache.source(key) end
 
   defp options(opts) do
-    opts = Keyword.take(opts, [:worker, :device, :on_unsupported, :max_concurrency, :hooks, :fuse])
-    opts = Keyword.merge([worker: Moat.Worker, device: nil, on_unsupported: :evaluate, fuse: false], opts)
+    opts = Keyword.take(opts, [:worker, :device, :on_unsupported, :max_concurrency, :hooks, :fuse, :donate])
+
+    opts =
+      Keyword.merge([worker: Moat.Worker, device: nil, on_unsupported: :evaluate, fuse: false, donate: true], opts)
 
     unless opts[:on_unsupported] in [:evaluate, :raise] do
       raise ArgumentError,
@@ -264,6 +273,8 @@ defmodule Moat.Compiler do
           # evaluator returns one tensor twice: `{x, x} = f.(t)` matches).
           {unique, spread} = spread(program.outputs)
           program = %{program | outputs: unique}
+          # The arguments come first among the inputs, then the captures.
+          program = if opts[:donate] == false, do: program, else: Map.put(program, :args, length(used))
 
           compiled = %{
             kind: :program,

@@ -39,14 +39,14 @@ defmodule Moat.KVCache do
   The cache is an `Nx.Container`: pass it into and out of a `defn`. There
   `update/3` is an `Nx.block/4`: on `Moat.Compiler` it is the same
   `kv_write` op in the program (other compilers run the reference,
-  `Nx.put_slice/3`, which clamps the offset as Nx does). A program's inputs
-  stay held by their callers, so a write into a cache passed to a compiled
-  function copies it into the program's output once per call (the old
-  cache stays valid there); inside a `while` loop of one program, the
-  cache is the loop's own state and the writes happen in place. A decode
-  loop that calls a compiled step per token keeps the step's writes
-  eager (`update/3` between compiled parts) to stay in place — that is
-  what `bench/decode.exs` does.
+  `Nx.put_slice/3`, which clamps the offset as Nx does). As eagerly, a
+  cache passed to a compiled function and updated there is spent by the
+  call (`Moat.Compiler`'s `:donate`, on by default): the program's write
+  goes into the cache's own buffer, so a decode loop that calls a
+  compiled step per token copies no cache. With `donate: false` the
+  argument stays readable and each call copies the cache into its output
+  once. Inside a `while` loop of one program the cache is the loop's own
+  state and the writes happen in place either way.
   """
 
   alias Moat.KVCache.Write

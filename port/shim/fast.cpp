@@ -125,19 +125,36 @@ class Attention : public mx::UnaryPrimitive {
     encoder.dispatch([rows = rows_, spec = spec_, st = *storage(q.dtype()), es = q.itemsize(),
                       pq = q.data<char>(), pk = kk.data<char>(), pv = v.data<char>(), po = out.data<char>(),
                       lengths, starts, sinks, b, hq, tq, d, hkv, tk, dv] {
-      size_t reps = hq / hkv;
-      parallel(b * hq * tq, tk * (d + dv), [&](size_t lo, size_t hi) {
-        std::vector<float> scratch(tk + dv);
-        for (size_t r = lo; r < hi; ++r) {
-          size_t i = r % tq, h = r / tq % hq, n = r / (tq * hq);
+      // The query rows of one kv head are consecutive (heads h*reps ..
+      // (h+1)*reps - 1, each of tq rows): they go through the kernel
+      // together, in chunks of at most 64 rows, split further when there
+      // are fewer heads than cores.
+      size_t group = hq / hkv * tq, heads = b * hkv;
+      if (group == 0 || heads == 0) return;
+      size_t cores = std::max(1u, std::min(std::thread::hardware_concurrency(), 16u));
+      size_t pieces = heads >= cores ? 1 : (cores + heads - 1) / heads;
+      size_t chunk = std::max<size_t>(1, std::min<size_t>(64, (group + pieces - 1) / pieces));
+      size_t per = (group + chunk - 1) / chunk;
+      parallel(heads * per, chunk * tk * (d + dv), [&](size_t lo, size_t hi) {
+        std::vector<float> scratch(k::attend_scratch(chunk, dv));
+        std::vector<size_t> from(chunk), to(chunk);
+        std::vector<float> sink(chunk);
+        for (size_t item = lo; item < hi; ++item) {
+          size_t g = item / per, r0 = item % per * chunk, count = std::min(chunk, group - r0);
+          size_t n = g / hkv;
           long end = lengths ? std::clamp<long>(lengths[n], 0, tk) : static_cast<long>(tk);
           long begin = starts ? std::clamp<long>(starts[n], 0, tk) : 0;
-          // The queries are the last tq positions of [0, end).
-          if (spec.causal) end = std::clamp<long>(end - static_cast<long>(tq) + static_cast<long>(i) + 1, 0, end);
-          size_t g = n * hkv + h / reps;
-          rows->attend(st, pq + r * d * es, pk + g * tk * d * es, d, pv + g * tk * dv * es, dv, d, dv,
-                       begin, std::max(begin, end), spec.scale, sinks != nullptr, sinks ? sinks[h] : 0.0f,
-                       scratch.data(), scratch.data() + tk, po + r * dv * es);
+          for (size_t r = 0; r < count; ++r) {
+            size_t i = (r0 + r) % tq, h = g % hkv * (hq / hkv) + (r0 + r) / tq;
+            // The queries are the last tq positions of [0, end).
+            long stop = spec.causal ? std::clamp<long>(end - static_cast<long>(tq) + static_cast<long>(i) + 1, 0, end) : end;
+            from[r] = begin;
+            to[r] = std::max(begin, stop);
+            if (sinks) sink[r] = sinks[h];
+          }
+          size_t row = g * group + r0;
+          rows->attend(st, pq + row * d * es, count, pk + g * tk * d * es, pv + g * tk * dv * es, d, dv, from.data(),
+                       to.data(), spec.scale, sinks ? sink.data() : nullptr, scratch.data(), po + row * dv * es);
         }
       });
     });

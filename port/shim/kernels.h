@@ -38,18 +38,22 @@ struct Rows {
   // null), rounding to the storage type after the normalization and after
   // the weight, as MLX's composition does.
   void (*rms_norm)(Storage st, const void* x, const void* w, void* out, size_t n, float eps);
-  // One query row's attention over keys [lo, hi): out[0..dv) =
-  // sum_j softmax_j(scale * q.k_j, with the sink's logit in the
-  // denominator when has_sink) v_j; k_j at k + j * ks, v_j at v + j * vs.
-  // scratch holds hi - lo floats, acc dv floats. An empty range gives 0.
-  void (*attend)(Storage st, const void* q, const void* k, size_t ks, const void* v, size_t vs, size_t d,
-                 size_t dv, size_t lo, size_t hi, float scale, bool has_sink, float sink, float* scratch,
-                 float* acc, void* out);
+  // Attention of `rows` query rows (d apart at q) that share one key/value
+  // head (k: keys d apart, v: values dv apart): row r's out[r * dv ..) =
+  // sum_j softmax_j(scale * q_r.k_j, with sinks[r]'s logit in the
+  // denominator when sinks is not null) v_j over keys [lo[r], hi[r]); an
+  // empty range gives 0. scratch holds attend_scratch(rows, dv) floats.
+  void (*attend)(Storage st, const void* q, size_t rows, const void* k, const void* v, size_t d, size_t dv,
+                 const size_t* lo, const size_t* hi, float scale, const float* sinks, float* scratch, void* out);
   // sum_i a[i] * b[i] over n elements, in f32 (matvec.cpp's rows of x . w^T).
   float (*dot)(Storage st, const void* a, const void* b, size_t n);
   // acc[i] += a * x[i] over n elements (matvec.cpp's rows of x . w).
   void (*axpy)(Storage st, float a, const void* x, float* acc, size_t n);
 };
+
+// Keys per block of Rows::attend (a multiple of every set's lanes).
+constexpr size_t ATTEND_BLOCK = 64;
+inline size_t attend_scratch(size_t rows, size_t dv) { return rows * (ATTEND_BLOCK + dv + 2); }
 
 // The selected set's row kernels, or null when MLX's own kernels are to run
 // (MOAT_CPU_FEATURES=mlx, or the default device is not the CPU).

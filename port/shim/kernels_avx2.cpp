@@ -37,6 +37,7 @@ V mul(V a, V b) { return _mm256_mul_ps(a, b); }
 V div(V a, V b) { return _mm256_div_ps(a, b); }
 V sqrt_(V a) { return _mm256_sqrt_ps(a); }
 V min_(V a, V b) { return _mm256_min_ps(a, b); }
+V max_(V a, V b) { return _mm256_max_ps(a, b); }
 V fma_(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
 V fms(V a, V b, V c) { return _mm256_fmsub_ps(a, b, c); }
 V abs_(V a) { return _mm256_andnot_ps(splat(-0.0f), a); }
@@ -108,11 +109,19 @@ float hsum(V v) {
   return _mm_cvtss_f32(_mm_hadd_ps(s, s));
 }
 
+float hmax(V v) {
+  alignas(32) float t[W];
+  _mm256_store_ps(t, v);
+  float m = t[0];
+  for (size_t i = 1; i < W; ++i) m = t[i] > m ? t[i] : m;
+  return m;
+}
+
 #include "kernels_rows.inc"
 
 }  // namespace
 
-const Rows rows_avx2 = {rms_norm_row, attend_row, dot_row, axpy_row};
+const Rows rows_avx2 = {rms_norm_row, attend_rows, dot_row, axpy_row};
 
 void run_avx2(Op op, Storage st, const void* a, const void* b, void* out, size_t n) { run(op, st, a, b, out, n); }
 

@@ -41,6 +41,7 @@ V mul(V a, V b) { return _mm512_mul_ps(a, b); }
 V div(V a, V b) { return _mm512_div_ps(a, b); }
 V sqrt_(V a) { return _mm512_sqrt_ps(a); }
 V min_(V a, V b) { return _mm512_min_ps(a, b); }
+V max_(V a, V b) { return _mm512_max_ps(a, b); }
 V fma_(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
 V fms(V a, V b, V c) { return _mm512_fmsub_ps(a, b, c); }
 __m512i bits(V a) { return _mm512_castps_si512(a); }
@@ -109,11 +110,13 @@ void store(Storage st, void* p, size_t i, V v) {
 
 float hsum(V v) { return _mm512_reduce_add_ps(v); }
 
+float hmax(V v) { return _mm512_reduce_max_ps(v); }
+
 #include "kernels_rows.inc"
 
 }  // namespace
 
-const Rows rows_avx512 = {rms_norm_row, attend_row, dot_row, axpy_row};
+const Rows rows_avx512 = {rms_norm_row, attend_rows, dot_row, axpy_row};
 
 void run_avx512(Op op, Storage st, const void* a, const void* b, void* out, size_t n) { run(op, st, a, b, out, n); }
 

@@ -1,6 +1,7 @@
 // The portable kernels: SLEEF's scalar functions, one element at a time.
 #include <sleef.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -115,32 +116,58 @@ void rms_norm_row(Storage st, const void* x, const void* w, void* out, size_t n,
   }
 }
 
-// As kernels_rows.inc's attend_row.
-void attend_row(Storage st, const void* q, const void* k, size_t ks, const void* v, size_t vs, size_t d,
-                size_t dv, size_t lo, size_t hi, float scale, bool has_sink, float sink, float* scratch,
-                float* acc, void* out) {
-  size_t n = hi > lo ? hi - lo : 0;
-  const char* kb = static_cast<const char*>(k);
-  const char* vb = static_cast<const char*>(v);
-  float top = has_sink ? sink : -INFINITY;
-  for (size_t j = 0; j < n; ++j) {
-    scratch[j] = scale * dot_row(st, q, kb + (lo + j) * ks * esize(st), d);
-    top = std::fmax(top, scratch[j]);
+// As kernels_rows.inc's attend_rows.
+void attend_rows(Storage st, const void* q, size_t rows, const void* k, const void* v, size_t d, size_t dv,
+                 const size_t* lo, const size_t* hi, float scale, const float* sinks, float* scratch, void* out) {
+  constexpr size_t BK = ATTEND_BLOCK;
+  const char *qb = static_cast<const char*>(q), *kb = static_cast<const char*>(k), *vb = static_cast<const char*>(v);
+  size_t es = esize(st);
+  float* s = scratch;
+  float* m = s + rows * BK;
+  float* l = m + rows;
+  float* acc = l + rows;
+  size_t first = SIZE_MAX, last = 0;
+  for (size_t r = 0; r < rows; ++r) {
+    m[r] = sinks ? sinks[r] : -INFINITY;
+    l[r] = sinks ? 1.0f : 0.0f;
+    for (size_t i = 0; i < dv; ++i) acc[r * dv + i] = 0.0f;
+    if (lo[r] < hi[r]) first = std::min(first, lo[r]), last = std::max(last, hi[r]);
   }
-  float sum = has_sink ? Sleef_expf_u10(sink - top) : 0.0f;
-  for (size_t j = 0; j < n; ++j) sum += scratch[j] = Sleef_expf_u10(scratch[j] - top);
-  for (size_t i = 0; i < dv; ++i) acc[i] = 0.0f;
-  for (size_t j = 0; j < n; ++j) {
-    const void* vj = vb + (lo + j) * vs * esize(st);
-    for (size_t i = 0; i < dv; ++i) acc[i] = std::fma(scratch[j], load(st, vj, i), acc[i]);
+  for (size_t j0 = first; j0 < last; j0 += BK) {
+    size_t n = std::min(BK, last - j0);
+    for (size_t r = 0; r < rows; ++r) {
+      float* sr = s + r * BK;
+      float t = m[r];
+      for (size_t j = 0; j < n; ++j) {
+        bool in = j0 + j >= lo[r] && j0 + j < hi[r];
+        sr[j] = in ? scale * dot_row(st, qb + r * d * es, kb + (j0 + j) * d * es, d) : -INFINITY;
+        t = std::fmax(t, sr[j]);
+      }
+      if (t == -INFINITY) {
+        for (size_t j = 0; j < n; ++j) sr[j] = 0.0f;
+        continue;
+      }
+      if (t > m[r]) {
+        float f = Sleef_expf_u10(m[r] - t);
+        l[r] *= f;
+        for (size_t i = 0; i < dv; ++i) acc[r * dv + i] *= f;
+        m[r] = t;
+      }
+      for (size_t j = 0; j < n; ++j) l[r] += sr[j] = Sleef_expf_u10(sr[j] - m[r]);
+    }
+    for (size_t j = 0; j < n; ++j)
+      for (size_t r = 0; r < rows; ++r)
+        if (s[r * BK + j] != 0.0f) axpy_row(st, s[r * BK + j], vb + (j0 + j) * dv * es, acc + r * dv, dv);
   }
-  float inv = n ? 1.0f / sum : 0.0f;
-  for (size_t i = 0; i < dv; ++i) store(st, out, i, acc[i] * inv);
+  for (size_t r = 0; r < rows; ++r) {
+    float inv = lo[r] < hi[r] ? 1.0f / l[r] : 0.0f;
+    for (size_t i = 0; i < dv; ++i) store(st, static_cast<char*>(out) + r * dv * es, i, acc[r * dv + i] * inv);
+  }
 }
 
 }  // namespace
 
-const Rows rows_scalar = {rms_norm_row, attend_row, dot_row, axpy_row};
+const Rows rows_scalar = {rms_norm_row, attend_rows, dot_row, axpy_row};
 
 void run_scalar(Op op, Storage st, const void* a, const void* b, void* out, size_t n) {
   if (op == POW_SCALAR) return pow_scalar(st, a, b, out, n);

@@ -29,6 +29,9 @@ type Fail = Rc<Failure>;
 pub struct Program {
     slots: usize,
     inputs: Vec<usize>,
+    /// The input positions a top-level write (`ops::MOVES_FIRST_INPUT`)
+    /// takes over, among the first `args` (see `donated`).
+    donated: Vec<usize>,
     outputs: Vec<usize>,
     steps: Rc<Vec<Step>>,
     fused: Option<Fused>,
@@ -157,16 +160,29 @@ impl Program {
             slots,
             literals: !checks.detect_non_finite,
         };
+        let inputs = p.slot_list(field(attrs, "inputs")?)?;
+        let args = match attrs.get("args") {
+            None => 0,
+            Some(n) => n
+                .as_int()
+                .and_then(|n| usize::try_from(n).ok())
+                .filter(|n| *n <= inputs.len())
+                .ok_or_else(|| format!("args must be an integer in 0..={}, got {n}", inputs.len()))?,
+        };
+        let steps = p.steps(field(attrs, "steps")?)?;
+        let donated = donated(&steps, &inputs[..args]);
         Ok(Program {
             slots,
-            inputs: p.slot_list(field(attrs, "inputs")?)?,
+            inputs,
+            donated,
             outputs: p.slot_list(field(attrs, "outputs")?)?,
-            steps: Rc::new(p.steps(field(attrs, "steps")?).map(|mut steps| {
+            steps: Rc::new({
+                let mut steps = steps;
                 if fuse {
                     fuse_loops(&mut steps, slots, *checks);
                 }
                 steps
-            })?),
+            }),
             fused: None,
         })
     }
@@ -197,6 +213,11 @@ impl Program {
 
     pub fn outputs(&self) -> usize {
         self.outputs.len()
+    }
+
+    /// The input positions whose ids a successful run spends (see `donated`).
+    pub fn donated(&self) -> &[usize] {
+        &self.donated
     }
 
     /// Runs the program on `inputs` (one per input slot); its outputs, or
@@ -339,6 +360,28 @@ fn fuse_loops(steps: &mut [Step], slots: usize, checks: Checks) {
         });
         *fused = Fused::new(n_state + 1, iteration, trace_failed).map(|f| (f, free));
     }
+}
+
+/// The positions in `args` of the inputs that a top-level step of `steps`
+/// writes in place (an op of `ops::MOVES_FIRST_INPUT`, `kv_write`, whose
+/// first input is that slot). As an eager write spends its cache, a run
+/// spends those inputs' ids once it is built, so that the program's graph
+/// holds the only handle and MLX writes into the buffer instead of copying
+/// it; anything else still reading the old contents makes MLX copy. Only
+/// `args` (the function's arguments, not its captured tensors, which the
+/// next call reads again) are candidates, and a slot also read by a later
+/// top-level step still is one: that step's node holds the old array.
+fn donated(steps: &[Step], args: &[usize]) -> Vec<usize> {
+    let written: Vec<usize> = steps
+        .iter()
+        .filter_map(|step| match step {
+            Step::Op { name, ins, .. } if crate::ops::MOVES_FIRST_INPUT.contains(&name.as_str()) => {
+                ins.first().copied()
+            }
+            _ => None,
+        })
+        .collect();
+    (0..args.len()).filter(|&i| written.contains(&args[i])).collect()
 }
 
 /// Runs `steps` over fresh slots: `inputs` fill `input_slots`, the result

@@ -121,6 +121,41 @@ defmodule Moat.FastTest do
       end
     end
 
+    # Several of the kernel's 64-key blocks: the running max, sum and
+    # accumulator are rescaled as later blocks bring larger scores (q is
+    # scaled up for a peaked softmax, the keys ramp up along the prefix).
+    test "attention over more keys than one block, on every kernel set" do
+      for set <- [:auto, :avx2, :scalar] do
+        name = :"fast_blocks_#{set}_#{System.unique_integer([:positive])}"
+        start_supervised!({Moat.Worker, name: name, cpu_kernels: set}, id: name)
+        on = &Nx.backend_copy(&1, {Moat.Backend, worker: name})
+
+        for type <- @types do
+          ramp = Nx.iota({1, 1, 300, 1}, type: {:f, 32}) |> Nx.divide(100)
+          q = random(20, {2, 6, 3, 32}) |> Nx.multiply(3) |> Nx.as_type(type)
+          k = random(21, {2, 2, 300, 32}) |> Nx.add(ramp) |> Nx.as_type(type)
+          v = random(22, {2, 2, 300, 24}, type)
+
+          for opts <- [
+                [mask: :causal],
+                [lengths: Nx.tensor([300, 131]), starts: Nx.tensor([0, 70]), mask: :causal, sinks: random(23, {6})],
+                [lengths: Nx.tensor(64), scale: 0.05]
+              ] do
+            fused =
+              Fast.scaled_dot_product_attention(
+                on.(q),
+                on.(k),
+                on.(v),
+                Enum.map(opts, fn {o, t} -> {o, if(is_struct(t), do: on.(t), else: t)} end)
+              )
+
+            reference = Fast.scaled_dot_product_attention(q, k, v, opts)
+            assert_all_close!(Nx.backend_transfer(fused, Nx.BinaryBackend), reference, Map.fetch!(@tolerance, type))
+          end
+        end
+      end
+    end
+
     test "attention's one-pass kernel agrees across kernel sets (scalar forced)" do
       name = :"fast_scalar_#{System.unique_integer([:positive])}"
       start_supervised!({Moat.Worker, name: name, cpu_kernels: :scalar}, id: name)

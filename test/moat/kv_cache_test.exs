@@ -164,4 +164,47 @@ defmodule Moat.KVCacheTest do
     assert Nx.to_number(cache.offset) == 3
     assert Nx.to_binary(cache.keys) == Nx.to_binary(ref.keys)
   end
+
+  test "a compiled step writes the cache it is given in place and spends it (donate: false keeps it)" do
+    step = fn cache, rows -> KVCache.update(cache, rows, rows) end
+    rows = Nx.iota({1, 4, 1, 512}, type: :f32, backend: Moat.Backend)
+    eval = fn c -> Moat.eval([c.keys.data.ref, c.values.data.ref]) end
+    # 2 x 16 MiB of f32, its offset a tensor (one program for every step).
+    fresh = fn -> %{KVCache.new(batch: 1, heads: 4, max_len: 2048, head_dim: 512) | offset: Nx.tensor(0)} end
+
+    # Peak bytes above the live ones over 4 compiled steps.
+    grows = fn jitted ->
+      cache = jitted.(fresh.(), rows)
+      eval.(cache)
+      Moat.reset_peak_memory()
+      before = Moat.memory_info()
+
+      cache =
+        Enum.reduce(1..4, cache, fn _, cache ->
+          next = jitted.(cache, rows)
+          eval.(next)
+          next
+        end)
+
+      {Moat.memory_info().peak - before.active, cache}
+    end
+
+    {in_place, cache} = grows.(Nx.Defn.jit(step, compiler: Moat.Compiler))
+    {copied, kept} = grows.(Nx.Defn.jit(step, compiler: Moat.Compiler, donate: false))
+    assert in_place < 8 * 1024 * 1024, "peak grew by #{in_place} bytes"
+    # A copying step holds the old and the new 16 MiB buffers at once.
+    assert copied >= 16 * 1024 * 1024, "peak grew by only #{copied} bytes"
+    assert Nx.to_number(cache.offset) == 5 and Nx.to_binary(cache.keys) == Nx.to_binary(kept.keys)
+
+    # The argument is spent; under donate: false it stays readable.
+    old = %{fresh.() | offset: Nx.tensor(1)}
+    _ = Nx.Defn.jit(step, compiler: Moat.Compiler).(old, rows)
+    error = assert_raise Moat.Error, fn -> Nx.to_binary(old.keys) end
+    assert Exception.message(error) =~ "written in place by program"
+    assert Nx.to_flat_list(rows) |> length() == 2048
+
+    old = %{fresh.() | offset: Nx.tensor(1)}
+    _ = Nx.Defn.jit(step, compiler: Moat.Compiler, donate: false).(old, rows)
+    assert byte_size(Nx.to_binary(old.keys)) == 16 * 1024 * 1024
+  end
 end

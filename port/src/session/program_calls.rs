@@ -106,10 +106,21 @@ impl Session {
                 .inputs(&req.ins, "run_program")
                 .and_then(|inputs| program.run(&inputs, &self.checks)),
         };
+        let donated = self.programs.get(id).map(|p| p.donated().to_vec()).unwrap_or_default();
         match result {
             Ok(arrays) => {
                 for (id, array) in req.outs.iter().zip(arrays) {
                     self.registry.insert(*id, array);
+                }
+                for &i in &donated {
+                    let input = req.ins[i];
+                    let message = format!(
+                        "tensor id {input} was written in place by program {id} (run into tensors {:?}): \
+                         Moat.KVCache.update/3 spends the cache it is given, inside a compiled function too: \
+                         use the one it returns",
+                        req.outs
+                    );
+                    self.registry.poison(input, Failure::new("run_program", message));
                 }
                 if hooked {
                     let ok = protocol::ok(req.seq, Term::atom("nil"));

@@ -101,7 +101,9 @@ defmodule Moat.CompilerTest do
       assert_equivalent(&C.take_until/2, [t([1.0, 2.0, 3.0, 9.0]), t(limit)])
     end
 
-    error = assert_raise Moat.Error, fn -> jit(&C.take_until/2).(t([1.0, 2.0, 3.0]), t(10.0)) |> elem(1) |> Nx.to_binary() end
+    error =
+      assert_raise Moat.Error, fn -> jit(&C.take_until/2).(t([1.0, 2.0, 3.0]), t(10.0)) |> elem(1) |> Nx.to_binary() end
+
     assert error.op == :take
 
     for x <- [t([4.0, 8.0]), random({300}, 1) |> Nx.abs()], tol <- [0.1, 100.0] do

@@ -72,6 +72,9 @@ enum Step {
         /// next condition) compiled: state and `free` slots in, the new
         /// state and the condition's flag out.
         fused: Option<(Fused, Vec<usize>)>,
+        /// The iteration cut into the part the condition depends on and the
+        /// rest, when it can be (`Split::new`).
+        split: Option<Split>,
     },
     Cond {
         outs: Vec<usize>,
@@ -95,6 +98,127 @@ pub trait HookSink {
 struct Branch {
     steps: Vec<Step>,
     results: Vec<usize>,
+}
+
+/// A while loop's iteration (its condition, then its body) cut in two: the
+/// control part, the state the condition depends on (a counter, say) with
+/// the steps computing it and the flag, and the data part, the rest of the
+/// state with the steps computing it (the control steps it reads run again).
+/// A small control part runs ahead (`Run::split_loop`): many iterations of it
+/// built lazily and evaluated at once, so that the worker learns how many
+/// iterations run from one evaluation per chunk, not one per iteration. The
+/// data part then runs exactly those iterations, as the loop would (nothing
+/// past the end, nothing masked), and is evaluated with the next chunk.
+struct Split {
+    /// Positions in the state of the control part, and of the data part.
+    control: Vec<usize>,
+    data: Vec<usize>,
+    /// Indices of each part's steps in the condition, and in the body.
+    control_steps: (Vec<usize>, Vec<usize>),
+    data_steps: (Vec<usize>, Vec<usize>),
+}
+
+impl Split {
+    /// None when the control part holds control flow of its own.
+    fn new(state: &[usize], cond: &[Step], pred: usize, body: &Branch) -> Option<Split> {
+        let steps: Vec<&Step> = cond.iter().chain(&body.steps).collect();
+        let io: Vec<(Vec<usize>, Vec<usize>)> = steps.iter().map(|s| reads_writes(s)).collect();
+        // The state positions each slot depends on.
+        let mut deps: HashMap<usize, Vec<usize>> = state.iter().enumerate().map(|(j, s)| (*s, vec![j])).collect();
+        for (reads, writes) in &io {
+            let mut on: Vec<usize> = reads
+                .iter()
+                .flat_map(|r| deps.get(r).cloned().unwrap_or_default())
+                .collect();
+            on.sort_unstable();
+            on.dedup();
+            for w in writes {
+                deps.insert(*w, on.clone());
+            }
+        }
+        let on = |slot: usize| deps.get(&slot).cloned().unwrap_or_default();
+        let mut control = on(pred);
+        loop {
+            let mut wider = control.clone();
+            wider.extend(control.iter().flat_map(|j| on(body.results[*j])));
+            wider.sort_unstable();
+            wider.dedup();
+            if wider == control {
+                break;
+            }
+            control = wider;
+        }
+        let data: Vec<usize> = (0..state.len()).filter(|j| !control.contains(j)).collect();
+        // The steps that compute `targets`, by index.
+        let slice = |targets: Vec<usize>| {
+            let mut wanted: std::collections::HashSet<usize> = targets.into_iter().collect();
+            let mut picked = vec![false; steps.len()];
+            for (i, (reads, writes)) in io.iter().enumerate().rev() {
+                if writes.iter().any(|w| wanted.contains(w)) {
+                    picked[i] = true;
+                    wanted.extend(reads);
+                }
+            }
+            let at = |range: std::ops::Range<usize>| range.filter(|i| picked[*i]).collect::<Vec<_>>();
+            (
+                at(0..cond.len()),
+                at(cond.len()..steps.len())
+                    .iter()
+                    .map(|i| i - cond.len())
+                    .collect::<Vec<_>>(),
+            )
+        };
+        let control_steps = slice(control.iter().map(|j| body.results[*j]).chain([pred]).collect());
+        let op = |s: &Step| matches!(s, Step::Op { .. });
+        let all_ops =
+            control_steps.0.iter().all(|i| op(&cond[*i])) && control_steps.1.iter().all(|i| op(&body.steps[*i]));
+        all_ops.then(|| Split {
+            data_steps: slice(data.iter().map(|j| body.results[*j]).collect()),
+            control,
+            data,
+            control_steps,
+        })
+    }
+}
+
+/// The slots a step reads and writes (those of the steps inside a `while`
+/// or `cond` included: reading more only makes a split coarser).
+fn reads_writes(step: &Step) -> (Vec<usize>, Vec<usize>) {
+    let (mut reads, mut writes) = (Vec::new(), Vec::new());
+    let inner = |steps: &[Step], results: &[usize], reads: &mut Vec<usize>, writes: &mut Vec<usize>| {
+        reads.extend(results);
+        for s in steps {
+            let (r, w) = reads_writes(s);
+            reads.extend(r);
+            writes.extend(w);
+        }
+    };
+    match step {
+        Step::Op { ins, outs, .. } => return (ins.clone(), outs.clone()),
+        Step::While {
+            init,
+            outs,
+            state,
+            cond,
+            pred,
+            body,
+            ..
+        } => {
+            reads.extend(init.iter().chain([pred]));
+            writes.extend(outs.iter().chain(state));
+            inner(cond, &[], &mut reads, &mut writes);
+            inner(&body.steps, &body.results, &mut reads, &mut writes);
+        }
+        Step::Cond { outs, clauses, last } => {
+            writes.extend(outs);
+            for (pred_steps, pred, branch) in clauses {
+                inner(pred_steps, &[*pred], &mut reads, &mut writes);
+                inner(&branch.steps, &branch.results, &mut reads, &mut writes);
+            }
+            inner(&last.steps, &last.results, &mut reads, &mut writes);
+        }
+    }
+    (reads, writes)
 }
 
 /// The programs of one session, by client-assigned id.
@@ -586,12 +710,14 @@ impl Parser {
                 if state.len() != ins.len() || body.results.len() != ins.len() || outs.len() != ins.len() {
                     return Err("while: its initial values, state, results and outs must have one length".into());
                 }
+                let (cond, pred) = (self.steps(get("cond")?)?, self.slot(get("pred")?)?);
                 Ok(Step::While {
                     init: ins,
                     outs,
+                    split: Split::new(&state, &cond, pred, &body),
                     state,
-                    cond: Rc::new(self.steps(get("cond")?)?),
-                    pred: self.slot(get("pred")?)?,
+                    cond: Rc::new(cond),
+                    pred,
                     body: Rc::new(body),
                     fused: None,
                 })
@@ -653,6 +779,15 @@ impl Parser {
 
 /// Iterations of a while loop one fused call runs (`Run::unrolled`).
 const UNROLL: usize = 16;
+
+/// Iterations of a split loop's control part built ahead at most, and the
+/// most elements an array of it may hold (`Run::split_loop`).
+const FIRST_AHEAD: usize = 4;
+const AHEAD: usize = 256;
+const AHEAD_ELEMENTS: usize = 64;
+/// The bytes a split loop's data part may define lazily (else it runs an
+/// iteration at a time).
+const DATA_AHEAD_BYTES: usize = 64 << 10;
 
 /// Creation ops up to this size are evaluated once, when defined.
 const LITERAL_BYTES: usize = 64 << 10;
@@ -737,29 +872,15 @@ impl Run<'_> {
                 pred,
                 body,
                 fused,
+                split,
             } => {
                 let values = self.values(init, "while")?;
                 self.set(state, values);
-                let mut flag = self.condition(cond, *pred, state)?;
-                while read_flag(&flag, "while")? {
-                    if let Some(mut arrays) = fused
-                        .as_ref()
-                        .and_then(|(f, free)| self.fused_iteration(f, state, free))
-                    {
-                        budget::admit_results(&arrays).map_err(|e| Failure::new("while", e.to_string()))?;
-                        flag = arrays.pop().expect("the flag");
-                        self.set(state, arrays);
-                        let mut refs = vec![&flag];
-                        for slot in state.iter() {
-                            refs.push(self.get(*slot, "while")?);
-                        }
-                        budget::evaluate(&refs).map_err(|e| eval_failure("while", e))?;
-                        continue;
+                match split {
+                    Some(split) if fused.is_none() && !self.tracing && !self.checks.detect_non_finite => {
+                        self.split_loop(split, cond, *pred, body, state)?
                     }
-                    self.steps(&body.steps)?;
-                    let values = self.values(&body.results, "while")?;
-                    self.set(state, values);
-                    flag = self.condition(cond, *pred, state)?;
+                    _ => self.iterate(cond, *pred, body, state, fused.as_ref())?,
                 }
                 let values = self.values(state, "while")?;
                 self.set(outs, values);
@@ -804,6 +925,156 @@ impl Run<'_> {
                 "a program with hooks runs as a call (seq > 0), whose caller receives their values".to_string(),
             )),
         }
+    }
+
+    /// Runs a while loop from the state in its slots, one evaluation (of the
+    /// condition's flag and the state) per iteration, or per `UNROLL`
+    /// iterations when fused.
+    fn iterate(
+        &mut self,
+        cond: &[Step],
+        pred: usize,
+        body: &Branch,
+        state: &[usize],
+        fused: Option<&(Fused, Vec<usize>)>,
+    ) -> Result<(), Fail> {
+        let mut flag = self.condition(cond, pred, state)?;
+        while read_flag(&flag, "while")? {
+            if let Some(mut arrays) = fused.and_then(|(f, free)| self.fused_iteration(f, state, free)) {
+                budget::admit_results(&arrays).map_err(|e| Failure::new("while", e.to_string()))?;
+                flag = arrays.pop().expect("the flag");
+                self.set(state, arrays);
+                let mut refs = vec![&flag];
+                for slot in state.iter() {
+                    refs.push(self.get(*slot, "while")?);
+                }
+                budget::evaluate(&refs).map_err(|e| eval_failure("while", e))?;
+                continue;
+            }
+            self.steps(&body.steps)?;
+            let values = self.values(&body.results, "while")?;
+            self.set(state, values);
+            flag = self.condition(cond, pred, state)?;
+        }
+        Ok(())
+    }
+
+    /// Runs a split while loop (see `Split`) from the state in its slots:
+    /// chunks of `FIRST_AHEAD`, twice as many, … up to `AHEAD` iterations of the control part,
+    /// each chunk's flags evaluated at once with the data state so far; then
+    /// the data part of each iteration whose flag holds. A control part that
+    /// is not small, or that fails to build ahead (where the loop may never
+    /// go), hands the rest of the loop to `iterate`, which runs (and fails)
+    /// exactly as the loop does.
+    fn split_loop(
+        &mut self,
+        split: &Split,
+        cond: &[Step],
+        pred: usize,
+        body: &Branch,
+        state: &[usize],
+    ) -> Result<(), Fail> {
+        let pick = |from: &[usize], at: &[usize]| at.iter().map(|j| from[*j]).collect::<Vec<usize>>();
+        let (control_slots, control_results) = (pick(state, &split.control), pick(&body.results, &split.control));
+        let (data_slots, data_results) = (pick(state, &split.data), pick(&body.results, &split.data));
+        let mut control = self.values(&control_slots, "while")?;
+        let mut chunk = FIRST_AHEAD;
+        let mut lazy_bytes = 0;
+        loop {
+            let mut flags = Vec::with_capacity(chunk);
+            let mut ahead = Vec::with_capacity(chunk);
+            for _ in 0..chunk {
+                let from = ahead.last().unwrap_or(&control);
+                let from = from.iter().map(share).collect::<Result<Vec<_>, Fail>>()?;
+                self.set(&control_slots, from);
+                let Some((flag, next)) = self.control_iteration(split, cond, pred, body, &control_results) else {
+                    break;
+                };
+                flags.push(flag);
+                ahead.push(next);
+            }
+            if flags.is_empty() {
+                self.set(&control_slots, control);
+                return self.iterate(cond, pred, body, state, None);
+            }
+            let mut refs: Vec<&Array> = flags.iter().chain(ahead.iter().flatten()).collect();
+            for slot in &data_slots {
+                refs.push(self.get(*slot, "while")?);
+            }
+            budget::evaluate(&refs).map_err(|e| eval_failure("while", e))?;
+            drop(refs);
+            let full = flags.len() == chunk;
+            for (flag, next) in flags.iter().zip(ahead) {
+                if !read_flag(flag, "while")? {
+                    self.set(&control_slots, control);
+                    return Ok(());
+                }
+                self.set(&control_slots, control);
+                self.steps_at(cond, &split.data_steps.0)?;
+                self.steps_at(&body.steps, &split.data_steps.1)?;
+                let values = self.values(&data_results, "while")?;
+                self.set(&data_slots, values);
+                control = next;
+                // A data part of large arrays gains nothing from running
+                // ahead (measured slower on SMACOF's): the rest of the loop
+                // runs an iteration at a time.
+                lazy_bytes +=
+                    self.made_bytes(cond, &split.data_steps.0) + self.made_bytes(&body.steps, &split.data_steps.1);
+                if lazy_bytes > DATA_AHEAD_BYTES {
+                    self.set(&control_slots, control);
+                    return self.iterate(cond, pred, body, state, None);
+                }
+            }
+            chunk = if full { (chunk * 2).min(AHEAD) } else { chunk };
+        }
+    }
+
+    /// One iteration of a split loop's control part, built lazily from the
+    /// control state in its slots: the condition's flag and the next
+    /// control state; None when it fails, or reads or makes more than
+    /// `AHEAD_ELEMENTS` elements in one array (too costly to run ahead).
+    fn control_iteration(
+        &mut self,
+        split: &Split,
+        cond: &[Step],
+        pred: usize,
+        body: &Branch,
+        results: &[usize],
+    ) -> Option<(Array, Vec<Array>)> {
+        let steps = (split.control_steps.0.iter().map(|i| &cond[*i]))
+            .chain(split.control_steps.1.iter().map(|i| &body.steps[*i]));
+        for step in steps {
+            let Step::Op { ins, outs, .. } = step else {
+                return None;
+            };
+            let small = |run: &Self, slots: &[usize]| {
+                slots
+                    .iter()
+                    .all(|s| run.slots[*s].as_ref().is_some_and(|a| a.size() <= AHEAD_ELEMENTS))
+            };
+            if !small(self, ins) || self.step(step).is_err() || !small(self, outs) {
+                return None;
+            }
+        }
+        let pred = self.get(pred, "while").ok().filter(|p| p.size() == 1)?;
+        let flag = flag(pred, "while").ok()?;
+        Some((flag, self.values(results, "while").ok()?))
+    }
+
+    /// The bytes of what the steps of `steps` at `at` defined.
+    fn made_bytes(&self, steps: &[Step], at: &[usize]) -> usize {
+        let outs = |step: &Step| match step {
+            Step::Op { outs, .. } | Step::While { outs, .. } | Step::Cond { outs, .. } => outs.clone(),
+        };
+        at.iter()
+            .flat_map(|i| outs(&steps[*i]))
+            .filter_map(|s| self.slots[s].as_ref().map(Array::nbytes))
+            .sum()
+    }
+
+    /// The steps of `steps` at `at`, in order.
+    fn steps_at(&mut self, steps: &[Step], at: &[usize]) -> Result<(), Fail> {
+        at.iter().try_for_each(|i| self.step(&steps[*i]))
     }
 
     /// Runs a while's condition on the current state, and evaluates the

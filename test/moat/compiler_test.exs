@@ -91,6 +91,26 @@ defmodule Moat.CompilerTest do
     end
   end
 
+  test "an unfused while runs its counter ahead and stops on the evaluator's state" do
+    # Chunks of 4, 8, 16, … iterations: counts around their edges.
+    for n <- [0, 1, 3, 4, 5, 11, 12, 13, 27, 28, 29, 60, 61, 300, 1020, 1021] do
+      assert_equivalent(&C.count_to/2, [t([1.0, -2.0]), t(n)])
+    end
+
+    for limit <- [0.5, 2.5, 5.0] do
+      assert_equivalent(&C.take_until/2, [t([1.0, 2.0, 3.0, 9.0]), t(limit)])
+    end
+
+    error =
+      assert_raise Moat.Error, fn -> jit(&C.take_until/2).(t([1.0, 2.0, 3.0]), t(10.0)) |> elem(1) |> Nx.to_binary() end
+
+    assert error.op == :take
+
+    for x <- [t([4.0, 8.0]), random({300}, 1) |> Nx.abs()], tol <- [0.1, 100.0] do
+      assert_equivalent(&C.halve_until/2, [x, t(tol)])
+    end
+  end
+
   test "cond takes each branch" do
     for x <- [t([60.0, 50.0]), t([1.0, 2.0]), t([-1.0, -2.0])] do
       assert_equivalent(&C.conds/1, [x])

@@ -42,6 +42,22 @@ defmodule Moat.CompilerCorpus do
     end
   end
 
+  # A condition reading a tensor at the counter: run ahead (unfused, the
+  # worker builds the counter's iterations before it knows the flags), the
+  # counter reaches an index the loop itself never reads, out of bounds.
+  defn take_until(t, limit) do
+    while {i = 0, acc = 0.0, t, limit}, Nx.take(t, i) < limit do
+      {i + 1, acc + Nx.take(t, i), t, limit}
+    end
+  end
+
+  # A condition on the whole state (nothing but control), small or not.
+  defn halve_until(x, tol) do
+    while {x, i = 0, tol}, Nx.sum(x) > tol and i < 100 do
+      {x * 0.5 + 0.001, i + 1, tol}
+    end
+  end
+
   defn while_tuple(x) do
     {_i, acc, n} =
       while {i = 0, acc = x, n = 0.0}, i < 1000 do

@@ -119,8 +119,12 @@ struct Split {
 }
 
 impl Split {
-    /// None when the control part holds control flow of its own.
+    /// None when the control part holds control flow of its own, or the
+    /// loop fires hooks (they must fire once per iteration, in order).
     fn new(state: &[usize], cond: &[Step], pred: usize, body: &Branch) -> Option<Split> {
+        if has_hooks(cond) || has_hooks(&body.steps) {
+            return None;
+        }
         let steps: Vec<&Step> = cond.iter().chain(&body.steps).collect();
         let io: Vec<(Vec<usize>, Vec<usize>)> = steps.iter().map(|s| reads_writes(s)).collect();
         // The state positions each slot depends on.
@@ -209,6 +213,7 @@ fn reads_writes(step: &Step) -> (Vec<usize>, Vec<usize>) {
             inner(cond, &[], &mut reads, &mut writes);
             inner(&body.steps, &body.results, &mut reads, &mut writes);
         }
+        Step::Hook { ins, .. } => reads.extend(ins),
         Step::Cond { outs, clauses, last } => {
             writes.extend(outs);
             for (pred_steps, pred, branch) in clauses {
@@ -1065,6 +1070,7 @@ impl Run<'_> {
     fn made_bytes(&self, steps: &[Step], at: &[usize]) -> usize {
         let outs = |step: &Step| match step {
             Step::Op { outs, .. } | Step::While { outs, .. } | Step::Cond { outs, .. } => outs.clone(),
+            Step::Hook { .. } => Vec::new(),
         };
         at.iter()
             .flat_map(|i| outs(&steps[*i]))

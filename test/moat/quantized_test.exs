@@ -204,6 +204,9 @@ defmodule Moat.QuantizedTest do
     assert packed == 1024 * (512 + 16 * 4) and packed * 8 / (1024 * 1024) == 4.5
     Nx.backend_deallocate(w)
     assert Moat.memory_info(worker).active - before + 4 * 1024 * 1024 == packed
+    # qw is used below, so a garbage collection cannot release it (release
+    # on GC) before the count above is read.
+    assert Moat.Quantized.info(qw).bits == 4
   end
 
   test "scale types: bf16 by default for f32 weights, f32 on request, the weight's own for half ones" do

@@ -103,3 +103,43 @@ for {m, k, n} = shape <- shapes do
       Enum.map(names, &if(t = med.(&1), do: ms.(t), else: "—")) ++ [ratio(np, med.("4-bit")), ratio(np, med.("8-bit"))]
   )
 end
+
+# The same one-row product reading a different weight each time, as a
+# decode step's layers do: `spread` weights of 64 MiB in f32, more than
+# this VM's last-level cache (480 MiB here), so the f32 product reads from
+# memory where the repeated one above may read from cache.
+spread = String.to_integer(System.get_env("MOAT_BENCH_SPREAD", "24"))
+spread_ws = for i <- 1..spread, do: normal.(1000 + i, {4096, 4096})
+
+spread_held =
+  for {name, bits} <- [{"f32", nil}, {"4-bit", 4}, {"8-bit", 8}], into: %{} do
+    {name, Enum.map(spread_ws, &if(bits, do: Moat.quantize(&1, bits: bits, group_size: 64), else: &1))}
+  end
+
+x1 = xs[{1, 4096, Moat.Worker}]
+
+spread_times =
+  for name <- ["f32", "4-bit", "8-bit"], into: %{} do
+    ws = spread_held[name]
+    for w <- ws, do: Nx.dot(x1, [1], w, [1]).data.ref |> Moat.eval()
+    ts = for _ <- 1..rounds, w <- ws, do: time_us(fn -> Nx.dot(x1, [1], w, [1]).data.ref |> Moat.eval() end)
+    {name, median(ts)}
+  end
+
+{out, 0} = System.cmd(python, [Path.join(__DIR__, "numpy_matvec.py"), "#{rounds}", "1:4096:4096:#{spread}"])
+[_, [_, np_spread]] = out |> String.split("\n", trim: true) |> Enum.map(&String.split/1)
+np_spread = String.to_float(np_spread) * 1_000_000
+
+IO.puts(
+  "\n1 × 4096 × 4096, a different weight each product (#{spread} weights in turn, " <>
+    "#{spread * 64} MiB in f32), as a decode step reads its layers:\n"
+)
+
+row(["numpy f32", "Moat f32", "Moat 4-bit", "Moat 8-bit", "numpy / 4-bit", "numpy / 8-bit"])
+row(List.duplicate("---:", 6))
+
+row(
+  [ms.(np_spread)] ++
+    Enum.map(["f32", "4-bit", "8-bit"], &ms.(spread_times[&1])) ++
+    [ratio(np_spread, spread_times["4-bit"]), ratio(np_spread, spread_times["8-bit"])]
+)

@@ -14,12 +14,7 @@ defmodule Bench.GpuModels do
   defn(mlp(x, w1, w2), do: x |> Nx.dot(w1) |> Nx.max(0) |> Nx.dot(w2))
 
   # bench/compiler.exs's MLP: 32×784→256→10, relu, softmax.
-  defn small_mlp(x, w1, b1, w2, b2) do
-    h = Nx.max(Nx.dot(x, w1) + b1, 0)
-    logits = Nx.dot(h, w2) + b2
-    e = Nx.exp(logits - Nx.reduce_max(logits, axes: [1], keep_axes: true))
-    e / Nx.sum(e, axes: [1], keep_axes: true)
-  end
+  defdelegate small_mlp(x, w1, b1, w2, b2), to: Bench.MLP, as: :mlp
 
   # A pre-norm decoder block (GPT-2 style): d_model 512, 8 heads of 64,
   # causal self-attention, a 4×d MLP with GELU (sigmoid approximation).

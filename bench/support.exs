@@ -31,6 +31,19 @@ defmodule Bench do
   def ratio(a, b), do: "#{fmt(a / b)}×"
 end
 
+# The compiler issue's 2-layer MLP (32×784→256→10, relu, softmax), for
+# bench/compiler.exs, bench/fuse_default.exs and bench/gpu.exs.
+defmodule Bench.MLP do
+  import Nx.Defn
+
+  defn mlp(x, w1, b1, w2, b2) do
+    h = Nx.max(Nx.dot(x, w1) + b1, 0)
+    logits = Nx.dot(h, w2) + b2
+    e = Nx.exp(logits - Nx.reduce_max(logits, axes: [1], keep_axes: true))
+    e / Nx.sum(e, axes: [1], keep_axes: true)
+  end
+end
+
 # The transformer decoder block of the compiler issue, for bench/compiler.exs
 # and bench/kernels.exs.
 defmodule Bench.Decoder do

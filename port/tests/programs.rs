@@ -102,6 +102,11 @@ fn bad_programs_are_refused_when_defined() {
 
 /// `while {i = 0, acc = x}, i < n, do: {i + 1, acc * 2}`, then `acc`.
 fn doubling_loop(id: u64) -> Term {
+    doubling_loop_then(id, None)
+}
+
+/// `doubling_loop`, its body ending with `last` when there is one.
+fn doubling_loop_then(id: u64, last: Option<Term>) -> Term {
     let s32 = |v: i32| {
         map(vec![
             ("shape", Term::nil()),
@@ -116,12 +121,17 @@ fn doubling_loop(id: u64) -> Term {
         ("pred", Term::int(5)),
         (
             "body",
-            Term::List(vec![
-                step("constant", &[], &[6], s32(1)),
-                step("add", &[3, 6], &[7], typed("s", 32)),
-                step("constant", &[], &[8], f32_scalar(2.0)),
-                step("multiply", &[4, 8], &[9], typed("f", 32)),
-            ]),
+            Term::List(
+                [
+                    step("constant", &[], &[6], s32(1)),
+                    step("add", &[3, 6], &[7], typed("s", 32)),
+                    step("constant", &[], &[8], f32_scalar(2.0)),
+                    step("multiply", &[4, 8], &[9], typed("f", 32)),
+                ]
+                .into_iter()
+                .chain(last)
+                .collect(),
+            ),
         ),
         ("results", ids(&[7, 9])),
     ]);
@@ -280,35 +290,7 @@ fn a_fused_program_gives_the_unfused_results() {
 
 /// `doubling_loop` with a hook step on each iteration's new `acc` and `i`.
 fn hooked(id: u64) -> Term {
-    let s32 = |v: i32| {
-        map(vec![
-            ("shape", Term::nil()),
-            ("type", ty("s", 32)),
-            ("value", Term::Binary(v.to_le_bytes().to_vec())),
-        ])
-    };
-    let less = map(vec![("input_type", ty("s", 32)), ("type", ty("u", 8))]);
-    let body = map(vec![
-        ("state", ids(&[3, 4])),
-        ("cond", Term::List(vec![step("less", &[3, 1], &[5], less)])),
-        ("pred", Term::int(5)),
-        (
-            "body",
-            Term::List(vec![
-                step("constant", &[], &[6], s32(1)),
-                step("add", &[3, 6], &[7], typed("s", 32)),
-                step("constant", &[], &[8], f32_scalar(2.0)),
-                step("multiply", &[4, 8], &[9], typed("f", 32)),
-                step("hook", &[9, 7], &[], map(vec![("id", Term::int(4))])),
-            ]),
-        ),
-        ("results", ids(&[7, 9])),
-    ]);
-    let steps = vec![
-        step("constant", &[], &[2], s32(0)),
-        step("while", &[2, 0], &[10, 11], body),
-    ];
-    program(id, 12, &[0, 1], &[11, 10], steps)
+    doubling_loop_then(id, Some(step("hook", &[9, 7], &[], map(vec![("id", Term::int(4))]))))
 }
 
 /// The next frame, which must be value `value` of a firing of hook 4 of run `seq`.

@@ -105,9 +105,11 @@ for {m, k, n} = shape <- shapes do
 end
 
 # The same one-row product reading a different weight each time, as a
-# decode step's layers do: `spread` weights of 64 MiB in f32, more than
-# this VM's last-level cache (480 MiB here), so the f32 product reads from
-# memory where the repeated one above may read from cache.
+# decode step's layers do: `spread` weights of 64 MiB in f32 (1.5 GiB by
+# default), more than the last-level cache of the machines measured so far
+# (32 MiB on an AMD EPYC VM, 480 MiB on an Intel Sapphire Rapids one), so the
+# f32 product reads from memory where the repeated one above may read from
+# cache.
 spread = String.to_integer(System.get_env("MOAT_BENCH_SPREAD", "24"))
 spread_ws = for i <- 1..spread, do: normal.(1000 + i, {4096, 4096})
 

@@ -46,6 +46,11 @@ V or_(V a, V b) { return _mm256_or_ps(a, b); }
 M gt(V a, V b) { return _mm256_cmp_ps(a, b, _CMP_GT_OQ); }
 V select(M m, V a, V b) { return _mm256_blendv_ps(b, a, m); }
 M negative(V a) { return a; }  // blendv reads the sign bits
+bool any_(M m) { return _mm256_movemask_ps(m) != 0; }
+bool all_(M m) { return _mm256_movemask_ps(m) == 0xFF; }
+// rcpps's 12 bits are too few for tanh's correction: both divide.
+V recip_rough(V d) { return div(splat(1.0f), d); }
+V recip(V d) { return div(splat(1.0f), d); }
 
 V exp_(V x) { return Sleef_expf8_u10avx2(x); }
 V expm1_(V x) { return Sleef_expm1f8_u10avx2(x); }

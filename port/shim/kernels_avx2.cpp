@@ -53,6 +53,7 @@ V recip_rough(V d) { return div(splat(1.0f), d); }
 V recip(V d) { return div(splat(1.0f), d); }
 
 V exp_(V x) { return Sleef_expf8_u10avx2(x); }
+V exp_rough(V x) { return exp_(x); }
 V expm1_(V x) { return Sleef_expm1f8_u10avx2(x); }
 V log_(V x) { return Sleef_logf8_u10avx2(x); }
 V log1p_(V x) { return Sleef_log1pf8_u10avx2(x); }

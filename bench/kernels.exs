@@ -18,7 +18,10 @@
 #     one request's round trip and thread wake-ups shared by the batch.
 #   * "one op + eval": one op and its own `Moat.eval/1` (no readback): what
 #     an eager caller that waits for each result pays.
-#   * numpy: one call (`np.exp(x)`), which allocates and computes.
+#   * numpy: one call (`np.exp(x)`), which allocates and computes (and
+#     reuses the block it freed the call before, still in the cache);
+#     "8 live outputs": into 8 preallocated outputs in turn, as Moat's batch
+#     writes 8 outputs, past the L3.
 
 import Bench
 
@@ -130,10 +133,11 @@ avx2_head =
 
 row(
   ["op", "Moat f32 (#{info.cpu})", "Moat f32, one op + eval", "Moat bf16"] ++
-    avx2_head ++ ["Moat f32, scalar", "MLX's own f32", "MLX / Moat", "numpy f32", "numpy / Moat"]
+    avx2_head ++
+    ["Moat f32, scalar", "MLX's own f32", "MLX / Moat", "numpy f32", "numpy / Moat", "numpy f32, 8 live outputs"]
 )
 
-row(["---" | List.duplicate("---:", 8 + length(avx2_head))])
+row(["---" | List.duplicate("---:", 9 + length(avx2_head))])
 
 for {name, _} <- cases do
   m = median(times[{name, Moat.Worker, :f32}])
@@ -151,10 +155,16 @@ for {name, _} <- cases do
         if(name == "erfc", do: "—", else: ms.(median(times[{name, :bench_mlx, :f32}]))),
         if(name == "erfc", do: "—", else: ratio(median(times[{name, :bench_mlx, :f32}]), m)),
         if(np, do: ms.(np), else: "—"),
-        if(np, do: ratio(np, m), else: "—")
+        if(np, do: ratio(np, m), else: "—"),
+        if(numpy["#{name}@8"], do: ms.(numpy["#{name}@8"]), else: "—")
       ]
   )
 end
+
+IO.puts(
+  "\nThe floor (numpy, same run): copying 4 MB into one reused output #{ms.(numpy["copy@1"])} ms, " <>
+    "into 8 outputs in turn (as a batch of 8 keeps them) #{ms.(numpy["copy@8"])} ms."
+)
 
 # The decoder block, eager at sequence 128, with the worker's kernels and
 # with MLX's own: the call and a readback of its {128, 512} result.

@@ -399,10 +399,27 @@ defmodule Moat.Client do
     end
   end
 
+  # With `config :moat, call_poll_us: N`, the caller polls its mailbox for
+  # up to N µs before it blocks (yielding between polls, so the owner
+  # relaying the reply can run on this scheduler): a process blocked in
+  # `receive` lets its scheduler go to sleep, and on an idle VM waking it
+  # again cost more than a whole small call. Off by default: the polling
+  # scheduler keeps its CPU, which a call that evaluates needs for MLX's
+  # threads on a 2-core machine (docs/latency.md, "The VM side").
   defp await(conn, op, seq, mref, chunks, timeout) do
+    case Application.get_env(:moat, :call_poll_us, 0) do
+      us when is_integer(us) and us > 0 ->
+        await(conn, op, seq, mref, chunks, timeout, System.monotonic_time(:microsecond) + us)
+
+      _ ->
+        await(conn, op, seq, mref, chunks, timeout, nil)
+    end
+  end
+
+  defp await(conn, op, seq, mref, chunks, timeout, deadline) do
     receive do
       {^mref, {:more, chunk}} ->
-        await(conn, op, seq, mref, [chunks | chunk], timeout)
+        await(conn, op, seq, mref, [chunks | chunk], timeout, deadline)
 
       {^mref, {:ok, result, last}} ->
         Process.demonitor(mref, [:flush])
@@ -415,11 +432,24 @@ defmodule Moat.Client do
       {:DOWN, ^mref, :process, _, reason} ->
         {:error, Error.new(:worker_died, op, died(reason, conn))}
     after
-      timeout ->
-        forget(conn, seq, mref)
-        {:error, Error.new(:timeout, op, "no reply within #{timeout} ms")}
+      after_ms(deadline, timeout) ->
+        cond do
+          deadline == nil ->
+            forget(conn, seq, mref)
+            {:error, Error.new(:timeout, op, "no reply within #{timeout} ms")}
+
+          System.monotonic_time(:microsecond) < deadline ->
+            :erlang.yield()
+            await(conn, op, seq, mref, chunks, timeout, deadline)
+
+          true ->
+            await(conn, op, seq, mref, chunks, timeout, nil)
+        end
     end
   end
+
+  defp after_ms(nil, timeout), do: timeout
+  defp after_ms(_polling, _timeout), do: 0
 
   defp join([], last), do: last
   defp join(chunks, last), do: IO.iodata_to_binary([chunks | last])

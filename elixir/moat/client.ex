@@ -409,17 +409,19 @@ defmodule Moat.Client do
   defp await(conn, op, seq, mref, chunks, timeout) do
     case Application.get_env(:moat, :call_poll_us, 0) do
       us when is_integer(us) and us > 0 ->
-        await(conn, op, seq, mref, chunks, timeout, System.monotonic_time(:microsecond) + us)
+        now = System.monotonic_time(:microsecond)
+        us = if is_integer(timeout), do: min(us, timeout * 1000), else: us
+        await(conn, op, seq, mref, chunks, timeout, {now, now + us})
 
       _ ->
         await(conn, op, seq, mref, chunks, timeout, nil)
     end
   end
 
-  defp await(conn, op, seq, mref, chunks, timeout, deadline) do
+  defp await(conn, op, seq, mref, chunks, timeout, polling) do
     receive do
       {^mref, {:more, chunk}} ->
-        await(conn, op, seq, mref, [chunks | chunk], timeout, deadline)
+        await(conn, op, seq, mref, [chunks | chunk], timeout, polling)
 
       {^mref, {:ok, result, last}} ->
         Process.demonitor(mref, [:flush])
@@ -432,18 +434,23 @@ defmodule Moat.Client do
       {:DOWN, ^mref, :process, _, reason} ->
         {:error, Error.new(:worker_died, op, died(reason, conn))}
     after
-      after_ms(deadline, timeout) ->
-        cond do
-          deadline == nil ->
+      after_ms(polling, timeout) ->
+        case polling do
+          nil ->
             forget(conn, seq, mref)
             {:error, Error.new(:timeout, op, "no reply within #{timeout} ms")}
 
-          System.monotonic_time(:microsecond) < deadline ->
-            :erlang.yield()
-            await(conn, op, seq, mref, chunks, timeout, deadline)
+          {start, until} ->
+            now = System.monotonic_time(:microsecond)
 
-          true ->
-            await(conn, op, seq, mref, chunks, timeout, nil)
+            if now < until do
+              :erlang.yield()
+              await(conn, op, seq, mref, chunks, timeout, polling)
+            else
+              # The time polled counts against the call's timeout.
+              left = if is_integer(timeout), do: max(timeout - div(now - start, 1000), 0), else: timeout
+              await(conn, op, seq, mref, chunks, left, nil)
+            end
         end
     end
   end

@@ -407,7 +407,7 @@ defmodule Moat.Client do
   # scheduler keeps its CPU, which a call that evaluates needs for MLX's
   # threads on a 2-core machine (docs/latency.md, "The VM side").
   defp await(conn, op, seq, mref, chunks, timeout) do
-    case Application.get_env(:moat, :call_poll_us, 0) do
+    case Moat.Config.get(:call_poll_us) do
       us when is_integer(us) and us > 0 ->
         now = System.monotonic_time(:microsecond)
         us = if is_integer(timeout), do: min(us, timeout * 1000), else: us

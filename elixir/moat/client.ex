@@ -399,10 +399,29 @@ defmodule Moat.Client do
     end
   end
 
+  # With `config :moat, call_poll_us: N`, the caller polls its mailbox for
+  # up to N µs before it blocks (yielding between polls, so the owner
+  # relaying the reply can run on this scheduler): a process blocked in
+  # `receive` lets its scheduler go to sleep, and on an idle VM waking it
+  # again cost more than a whole small call. Off by default: the polling
+  # scheduler keeps its CPU, which a call that evaluates needs for MLX's
+  # threads on a 2-core machine (docs/latency.md, "The VM side").
   defp await(conn, op, seq, mref, chunks, timeout) do
+    case Moat.Config.get(:call_poll_us) do
+      us when is_integer(us) and us > 0 ->
+        now = System.monotonic_time(:microsecond)
+        us = if is_integer(timeout), do: min(us, timeout * 1000), else: us
+        await(conn, op, seq, mref, chunks, timeout, {now, now + us})
+
+      _ ->
+        await(conn, op, seq, mref, chunks, timeout, nil)
+    end
+  end
+
+  defp await(conn, op, seq, mref, chunks, timeout, polling) do
     receive do
       {^mref, {:more, chunk}} ->
-        await(conn, op, seq, mref, [chunks | chunk], timeout)
+        await(conn, op, seq, mref, [chunks | chunk], timeout, polling)
 
       {^mref, {:ok, result, last}} ->
         Process.demonitor(mref, [:flush])
@@ -415,11 +434,29 @@ defmodule Moat.Client do
       {:DOWN, ^mref, :process, _, reason} ->
         {:error, Error.new(:worker_died, op, died(reason, conn))}
     after
-      timeout ->
-        forget(conn, seq, mref)
-        {:error, Error.new(:timeout, op, "no reply within #{timeout} ms")}
+      after_ms(polling, timeout) ->
+        case polling do
+          nil ->
+            forget(conn, seq, mref)
+            {:error, Error.new(:timeout, op, "no reply within #{timeout} ms")}
+
+          {start, until} ->
+            now = System.monotonic_time(:microsecond)
+
+            if now < until do
+              :erlang.yield()
+              await(conn, op, seq, mref, chunks, timeout, polling)
+            else
+              # The time polled counts against the call's timeout.
+              left = if is_integer(timeout), do: max(timeout - div(now - start, 1000), 0), else: timeout
+              await(conn, op, seq, mref, chunks, left, nil)
+            end
+        end
     end
   end
+
+  defp after_ms(nil, timeout), do: timeout
+  defp after_ms(_polling, _timeout), do: 0
 
   defp join([], last), do: last
   defp join(chunks, last), do: IO.iodata_to_binary([chunks | last])

@@ -112,13 +112,19 @@ impl Session {
             let msg = match next {
                 Ok(msg) => msg,
                 Err(TryRecvError::Empty) => {
-                    self.ack();
+                    // The idle ack goes out when the thread parks: a frame
+                    // that comes during the spin saves it (the next one is
+                    // at most `ACK_EVERY` requests away), and the reply is
+                    // then the only frame a small call costs.
                     let next = spinner.wait(
                         || match rx.try_recv() {
                             Err(TryRecvError::Empty) => None,
                             got => Some(got.ok()),
                         },
-                        || rx.recv().ok(),
+                        || {
+                            self.ack();
+                            rx.recv().ok()
+                        },
                     );
                     match next {
                         Some(msg) => msg,

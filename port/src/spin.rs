@@ -10,27 +10,32 @@
 //! frame, and every call got slower (measured in docs/latency.md).
 //!
 //! It polls without yielding (a `sched_yield` per poll made a loaded
-//! machine switch threads about ten times per call), stops at once when a
-//! gap between two polls shows the thread was preempted (the CPU is wanted
-//! elsewhere, and then vCPUs do not halt anyway), and adapts: a spin that
+//! machine switch threads about ten times per call) and adapts: a spin that
 //! found its message doubles the budget (up to the bound), one that ran out
-//! halves it, down to nothing. From nothing, it starts again only when a
-//! wake-up was expensive (the reader stamps each hand-over, `handed_over`,
-//! and the session measures how long after it it woke) and a spin would
-//! have caught the message: so a caller in a round-trip loop on an idle VM
-//! keeps the spin, and a worker on a busy machine (cheap wake-ups) or an
-//! idle one drops it. `MOAT_SPIN_US`
-//! sets the bound in µs (default 0, off: see `DEFAULT_US`).
+//! halves it, down to nothing. It spins only while the machine has a CPU to
+//! spare: a gap between two polls (the thread was preempted) drops the
+//! budget to nothing at once, and so does a look at the run queues
+//! (`/proc/loadavg`'s runnable count, taken every `RECHECK` spins) that
+//! finds more runnable threads than CPUs. From nothing, it starts again only
+//! when a wake-up was expensive (the reader stamps each hand-over,
+//! `handed_over`, and the session measures how long after it it woke), a
+//! spin would have caught the message, and the run queues have room: so a
+//! caller in a round-trip loop on an idle VM keeps the spin, and a worker
+//! on a loaded machine (where a woken thread waits for a CPU, not for a
+//! halted vCPU: a wake-up is just as slow there, but spinning takes the
+//! CPU the VM needs) or an idle one drops it. `MOAT_SPIN_US` sets the
+//! bound in µs (default `DEFAULT_US`; 0 turns spinning off).
 
+use std::fs::File;
+use std::os::unix::fs::FileExt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-/// The default longest spin: none. Under a heavy load (other processes
-/// runnable), a wake-up is slow for want of a CPU, not because a vCPU
-/// halted, and spinning then cost more than it saved (docs/latency.md); on
-/// an idle VM `MOAT_SPIN_US=50` is the setting to try.
-const DEFAULT_US: u64 = 0;
+/// The default longest spin. 50 µs covers a VM's round trip between two
+/// calls of a caller in a loop; the load test keeps it off where it hurt
+/// (docs/latency.md).
+const DEFAULT_US: u64 = 50;
 
 fn bound() -> Duration {
     static BOUND: OnceLock<Duration> = OnceLock::new();
@@ -49,28 +54,109 @@ const PREEMPTED: Duration = Duration::from_micros(10);
 /// A budget below this is no budget.
 const FLOOR: Duration = Duration::from_micros(1);
 
+/// Spins between two looks at the run queues while spinning pays.
+const RECHECK: u32 = 32;
+
+/// Whether the machine has a CPU to spare for a spinning thread.
+pub trait Load {
+    fn has_room(&mut self) -> bool;
+}
+
+/// The run queues as `/proc/loadavg` shows them: room while the runnable
+/// threads (this one included) are no more than the CPUs this process may
+/// use. Without that file, never room (no spinning).
+pub struct RunQueues {
+    file: Option<File>,
+    cpus: usize,
+}
+
+impl Default for RunQueues {
+    fn default() -> Self {
+        RunQueues {
+            file: File::open("/proc/loadavg").ok(),
+            cpus: std::thread::available_parallelism().map_or(1, |n| n.get()),
+        }
+    }
+}
+
+impl Load for RunQueues {
+    fn has_room(&mut self) -> bool {
+        let Some(file) = &self.file else { return false };
+        let mut buf = [0u8; 128];
+        match file.read_at(&mut buf, 0) {
+            Ok(n) => runnable(&buf[..n]).is_some_and(|r| r <= self.cpus),
+            Err(_) => false,
+        }
+    }
+}
+
+/// The runnable count of a `/proc/loadavg` line (`0.50 0.40 0.30 2/345 6789`).
+fn runnable(line: &[u8]) -> Option<usize> {
+    let field = std::str::from_utf8(line).ok()?.split_whitespace().nth(3)?;
+    field.split('/').next()?.parse().ok()
+}
+
 /// One waiting thread's spin budget.
-pub struct Spinner {
+pub struct Spinner<L: Load = RunQueues> {
     bound: Duration,
     budget: Duration,
+    /// Spins since the last look at the run queues.
+    spins: u32,
+    /// The budget an expensive wake-up asks for, granted at the start of the
+    /// next wait if the run queues have room: looked at then, after the
+    /// request was served, not between the wake-up and the request.
+    candidate: Option<Duration>,
+    load: L,
 }
 
 impl Default for Spinner {
     fn default() -> Self {
-        Spinner::with_bound(bound())
+        Spinner::new(bound(), RunQueues::default())
     }
 }
 
-impl Spinner {
-    /// A spinner that spins at most `bound` per wait.
-    pub fn with_bound(bound: Duration) -> Spinner {
-        Spinner { bound, budget: bound }
+impl<L: Load> Spinner<L> {
+    /// A spinner that spins at most `bound` per wait while `load` has room.
+    /// It starts parked: the first expensive wake-up starts it.
+    pub fn new(bound: Duration, load: L) -> Spinner<L> {
+        Spinner {
+            bound,
+            budget: Duration::ZERO,
+            spins: 0,
+            candidate: None,
+            load,
+        }
+    }
+
+    /// At the start of a wait: grants a candidate budget, or looks at the
+    /// run queues again after `RECHECK` spins.
+    fn resume(&mut self) {
+        if let Some(budget) = self.candidate.take() {
+            if self.load.has_room() {
+                self.budget = budget;
+                self.spins = 0;
+            }
+        } else if !self.budget.is_zero() {
+            self.spins += 1;
+            if self.spins >= RECHECK {
+                self.spins = 0;
+                if !self.load.has_room() {
+                    self.budget = Duration::ZERO;
+                }
+            }
+        }
+    }
+
+    /// Whether the next wait spins (for tests and callers that act on it).
+    pub fn spinning(&self) -> bool {
+        !self.budget.is_zero()
     }
 
     /// Waits for `poll` to give something: polls it within the budget, then
     /// calls `park` (which blocks until there is something, or the source is
     /// gone).
     pub fn wait<T>(&mut self, mut poll: impl FnMut() -> Option<T>, park: impl FnOnce() -> T) -> T {
+        self.resume();
         let start = Instant::now();
         if !self.budget.is_zero() {
             let mut last = start;
@@ -80,14 +166,19 @@ impl Spinner {
                     return got;
                 }
                 let now = Instant::now();
-                if now - start >= self.budget || now - last >= PREEMPTED {
+                if now - last >= PREEMPTED {
+                    // Preempted: the CPU is wanted elsewhere.
+                    self.budget = Duration::ZERO;
+                    break;
+                }
+                if now - start >= self.budget {
+                    self.budget /= 2;
+                    if self.budget < FLOOR {
+                        self.budget = Duration::ZERO;
+                    }
                     break;
                 }
                 last = now;
-            }
-            self.budget /= 2;
-            if self.budget < FLOOR {
-                self.budget = Duration::ZERO;
             }
             return park();
         }
@@ -98,13 +189,15 @@ impl Spinner {
 
     /// After a wait that did not spin: whether the next one should. It
     /// should when a spin would have caught the message (it was handed
-    /// over within the bound) and parking cost a lot (the wake-up took at
-    /// least `EXPENSIVE`, as on an idle VM); on a busy machine wake-ups are
-    /// cheap, and the thread keeps parking.
+    /// over within the bound), parking cost a lot (the wake-up took at
+    /// least `EXPENSIVE`, as on an idle VM) and the run queues have room
+    /// (on a loaded machine the wake-up is slow too, for want of a CPU,
+    /// and a spinner would take one from the VM). The last is looked at by
+    /// the next wait (`resume`).
     fn after_park(&mut self, start: Instant, handed_over: Instant, woke: Instant) {
         let arrived = handed_over.saturating_duration_since(start);
         if !self.bound.is_zero() && woke.saturating_duration_since(handed_over) >= EXPENSIVE && arrived <= self.bound {
-            self.budget = (arrived * 2).clamp(FLOOR, self.bound);
+            self.candidate = Some((arrived * 2).clamp(FLOOR, self.bound));
         }
     }
 }
@@ -132,16 +225,46 @@ fn last_handed_over() -> Instant {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::cell::Cell;
+    use std::rc::Rc;
+
+    /// A load whose answer the test sets, counting the looks.
+    #[derive(Clone, Default)]
+    struct Fake {
+        busy: Rc<Cell<bool>>,
+        looks: Rc<Cell<u32>>,
+    }
+
+    impl Load for Fake {
+        fn has_room(&mut self) -> bool {
+            self.looks.set(self.looks.get() + 1);
+            !self.busy.get()
+        }
+    }
+
+    fn spinner(bound: Duration) -> (Spinner<Fake>, Fake) {
+        let load = Fake::default();
+        let mut s = Spinner::new(bound, load.clone());
+        s.budget = bound;
+        (s, load)
+    }
 
     #[test]
     fn a_ready_source_is_taken_without_parking() {
-        let mut s = Spinner::with_bound(Duration::from_millis(5));
+        let (mut s, _) = spinner(Duration::from_millis(5));
         assert_eq!(s.wait(|| Some(1), || unreachable!()), 1);
     }
 
     #[test]
+    fn it_starts_parked() {
+        let mut s = Spinner::new(Duration::from_micros(50), Fake::default());
+        assert!(!s.spinning());
+        assert_eq!(s.wait(|| -> Option<i32> { unreachable!() }, || 7), 7);
+    }
+
+    #[test]
     fn a_source_ready_within_the_budget_is_taken_while_spinning() {
-        let mut s = Spinner::with_bound(Duration::from_secs(1));
+        let (mut s, _) = spinner(Duration::from_secs(1));
         let mut n = 0;
         let got = s.wait(
             || {
@@ -156,8 +279,9 @@ mod tests {
     #[test]
     fn spins_that_run_out_halve_the_budget_down_to_nothing_and_an_expensive_wake_up_starts_it_again() {
         let bound = Duration::from_micros(64);
-        let mut s = Spinner::with_bound(bound);
-        // 64, 32, ... 1 µs, each spun out: 7 halvings.
+        let (mut s, _) = spinner(bound);
+        // 64, 32, ... 1 µs, each spun out: 7 halvings (a preemption on the
+        // way would drop it at once, which ends the same).
         for _ in 0..7 {
             s.wait(|| None::<i32>, || 0);
         }
@@ -167,6 +291,7 @@ mod tests {
         let t = Instant::now();
         let us = Duration::from_micros;
         s.after_park(t, t + us(10), t + us(50));
+        s.resume();
         assert_eq!(s.budget, us(20));
         // A spin that finds its message doubles it.
         s.wait(|| Some(1), || unreachable!());
@@ -174,22 +299,97 @@ mod tests {
     }
 
     #[test]
-    fn cheap_wake_ups_or_late_messages_do_not_start_it_again() {
+    fn a_preempted_spin_drops_the_budget_at_once() {
+        let (mut s, _) = spinner(Duration::from_secs(1));
+        let got = s.wait(
+            || {
+                std::thread::sleep(Duration::from_millis(1));
+                None::<i32>
+            },
+            || 5,
+        );
+        assert_eq!(got, 5);
+        assert!(!s.spinning());
+    }
+
+    #[test]
+    fn cheap_wake_ups_or_late_messages_or_full_run_queues_do_not_start_it_again() {
         let us = Duration::from_micros;
-        let mut s = Spinner::with_bound(us(50));
+        let (mut s, load) = spinner(us(50));
         s.budget = Duration::ZERO;
         let t = Instant::now();
         // Woken 5 µs after the hand-over: cheap, parking is fine.
         s.after_park(t, t + us(10), t + us(15));
+        s.resume();
         assert_eq!(s.budget, Duration::ZERO);
         // Handed over after the bound: no spin would have caught it.
         s.after_park(t, t + us(80), t + us(200));
+        s.resume();
         assert_eq!(s.budget, Duration::ZERO);
+        assert_eq!(load.looks.get(), 0);
+        // Expensive and in time, but no CPU to spare: the wake-up waited
+        // for a CPU, and a spinner would take one. Looked at by the next
+        // wait, not at the wake-up.
+        load.busy.set(true);
+        s.after_park(t, t + us(10), t + us(50));
+        assert_eq!(load.looks.get(), 0);
+        s.resume();
+        assert_eq!(load.looks.get(), 1);
+        assert_eq!(s.budget, Duration::ZERO);
+        load.busy.set(false);
+        s.after_park(t, t + us(10), t + us(50));
+        s.resume();
+        assert_eq!(s.budget, us(20));
+    }
+
+    #[test]
+    fn a_spinner_looks_at_the_run_queues_every_recheck_spins_and_stops_when_they_fill() {
+        let (mut s, load) = spinner(Duration::from_secs(1));
+        for _ in 0..RECHECK - 1 {
+            s.wait(|| Some(()), || unreachable!());
+        }
+        assert_eq!(load.looks.get(), 0);
+        load.busy.set(true);
+        // The next wait looks, finds them full and parks at once.
+        let mut polled = false;
+        s.wait(
+            || {
+                polled = true;
+                Some(())
+            },
+            || (),
+        );
+        assert_eq!(load.looks.get(), 1);
+        assert!(!polled);
+        assert!(!s.spinning());
     }
 
     #[test]
     fn no_bound_never_polls() {
-        let mut s = Spinner::with_bound(Duration::ZERO);
+        let mut s = Spinner::new(Duration::ZERO, Fake::default());
         assert_eq!(s.wait(|| -> Option<i32> { unreachable!() }, || 7), 7);
+        let t = Instant::now();
+        let us = Duration::from_micros;
+        s.after_park(t, t + us(10), t + us(50));
+        s.resume();
+        assert!(!s.spinning());
+    }
+
+    #[test]
+    fn the_runnable_count_of_a_loadavg_line() {
+        assert_eq!(runnable(b"0.50 0.40 0.30 2/345 6789\n"), Some(2));
+        assert_eq!(runnable(b"12.01 9.00 4.10 17/1002 31337"), Some(17));
+        assert_eq!(runnable(b"garbage"), None);
+    }
+
+    #[test]
+    fn the_run_queues_of_this_machine_can_be_read() {
+        let mut q = RunQueues::default();
+        assert!(q.file.is_some());
+        // Whatever the answer, the file parses (else it would always be false
+        // and the spin never start): read it once more by hand.
+        let text = std::fs::read("/proc/loadavg").unwrap();
+        assert!(runnable(&text).is_some());
+        let _ = q.has_room();
     }
 }

@@ -230,7 +230,10 @@ fn x_with_non_finite_tiny_and_mixed_magnitude_blocks() {
             scaled(&|i| if i / 64 % 2 == 0 { 1.0e6 } else { 1.0e-3 }),
         ),
         ("one tiny block", scaled(&|i| if i < 64 { 1.0e-32 } else { 1.0 })),
-        ("zero block", scaled(&|i| if (128..192).contains(&i) { 0.0 } else { 1.0 })),
+        (
+            "zero block",
+            scaled(&|i| if (128..192).contains(&i) { 0.0 } else { 1.0 }),
+        ),
         ("outlier", scaled(&|i| if i == 77 { 3.0e4 } else { 1.0 })),
     ];
     for (set, mut w) in workers() {

@@ -13,8 +13,12 @@
 // largest value). The three byte dot products of a block are exact 32-bit
 // integers, combined exactly as ((A << 7) + B) << 7 + C (at most 2.131e9
 // for 8 bits, under 2^31), converted to f32 once (one rounding) and
-// accumulated in f32 times scale and d: the result differs from the f32
-// product by no more than the f32 product's own rounding does.
+// accumulated in f32 times scale and d. The split's error is bounded by the
+// block's largest value, not each value's own size: an output moves by at
+// most 2.4e-7 * sum over blocks of max|x| * sum|s q| (a block of values far
+// below its largest loses their low bits). Measured against the scalar
+// kernel at 1 x 4096 x 4096: 1.9e-6 (4 bits) and 2.3e-6 (8 bits) of the
+// largest output, as the f32 kernel (1.9e-6, 2.2e-6).
 //
 // x blocks with a value that is not finite, or so small that d / 16384 is
 // not a normal f32, and K not a multiple of 64 take the AVX-512 set's f32

@@ -46,6 +46,9 @@ extern const Set scalar_set;
 extern const Set avx2_set;
 // Only on a CPU with AVX-512F, BW and VL (and the above).
 extern const Set avx512_set;
+// Only on a CPU with AVX-512 VNNI (and the above): 4 and 8 bits through
+// integer dot products (qmm_vnni.cpp), the rest through avx512_set.
+extern const Set avx512_vnni_set;
 #endif
 
 // Called by moat_kernels_select (kernels.cpp) with the kernel set it chose.

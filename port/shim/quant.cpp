@@ -7,6 +7,7 @@
 // the packed words {..., out, in * bits / 32} (uint32), the scales
 // {..., out, in / group} (f32, f16 or bf16 for :affine, uint8 for the
 // microscaled modes) and, for :affine only, the biases (as the scales).
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -170,7 +171,11 @@ void select(int set) {
   // AVX-512 product needs: without them it takes the AVX2 one.
   __builtin_cpu_init();
   bool bw_vl = __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
-  selected.store(set == MOAT_KERNELS_AVX512 ? (bw_vl ? &avx512_set : &avx2_set)
+  // With VNNI, 4 and 8 bits take the integer dot products (qmm_vnni.cpp).
+  // MOAT_QMM_VNNI=0 keeps them on the f32 AVX-512 kernel (tests, benches).
+  const char* off = std::getenv("MOAT_QMM_VNNI");
+  bool vnni = bw_vl && __builtin_cpu_supports("avx512vnni") && !(off && std::string(off) == "0");
+  selected.store(set == MOAT_KERNELS_AVX512 ? (vnni ? &avx512_vnni_set : bw_vl ? &avx512_set : &avx2_set)
                  : set == MOAT_KERNELS_AVX2 ? &avx2_set
                                             : &scalar_set);
 #else

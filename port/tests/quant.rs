@@ -40,8 +40,23 @@ fn sets() -> Vec<&'static str> {
     }
     if has_avx512() {
         v.push("avx512");
+        #[cfg(target_arch = "x86_64")]
+        if is_x86_feature_detected!("avx512vnni") {
+            // "avx512" is then the VNNI kernel for 4 and 8 bits; this is
+            // the f32 one.
+            v.push("avx512-novnni");
+        }
     }
     v
+}
+
+/// A worker with kernel set `set` (of sets()).
+fn start(set: &str) -> Worker {
+    if set == "avx512-novnni" {
+        Worker::start_env(&[], &[("MOAT_CPU_FEATURES", "avx512"), ("MOAT_QMM_VNNI", "0")])
+    } else {
+        Worker::start_env(&[], &[("MOAT_CPU_FEATURES", set)])
+    }
 }
 
 /// A worker for each kernel set, forced by MOAT_CPU_FEATURES. On a GPU the
@@ -51,7 +66,7 @@ fn sets() -> Vec<&'static str> {
 fn workers() -> Vec<(&'static str, Worker)> {
     let mut out = Vec::new();
     for set in sets() {
-        let w = Worker::start_env(&[], &[("MOAT_CPU_FEATURES", set)]);
+        let w = start(set);
         let gpu = w.on_gpu();
         out.push((set, w));
         if gpu {
@@ -201,6 +216,65 @@ fn rows_that_are_not_a_multiple_of_64_values_or_of_16_groups() {
     }
 }
 
+/// x blocks the VNNI kernel cannot split exactly (a non-finite value, all
+/// values below 1e-30) send the product to the f32 kernel; blocks of very
+/// different sizes are each split on their own.
+#[test]
+fn x_with_non_finite_tiny_and_mixed_magnitude_blocks() {
+    let (n, k) = (8, 256);
+    let base = values(k as usize, 21);
+    let scaled = |f: &dyn Fn(usize) -> f32| -> Vec<f32> { base.iter().enumerate().map(|(i, v)| v * f(i)).collect() };
+    let cases: Vec<(&str, Vec<f32>)> = vec![
+        (
+            "mixed magnitudes",
+            scaled(&|i| if i / 64 % 2 == 0 { 1.0e6 } else { 1.0e-3 }),
+        ),
+        ("one tiny block", scaled(&|i| if i < 64 { 1.0e-32 } else { 1.0 })),
+        (
+            "zero block",
+            scaled(&|i| if (128..192).contains(&i) { 0.0 } else { 1.0 }),
+        ),
+        ("outlier", scaled(&|i| if i == 77 { 3.0e4 } else { 1.0 })),
+    ];
+    for (set, mut w) in workers() {
+        w.upload_f32(3, &[n, k], &values((n * k) as usize, 22));
+        for bits in [4, 8] {
+            for group in [32, 64, 128] {
+                let attrs = map(vec![
+                    ("bits", Term::int(bits)),
+                    ("group_size", Term::int(group)),
+                    ("mode", Term::atom("affine")),
+                ]);
+                w.request(0, "quantize", &[1], &[3], attrs);
+                w.read(3, 1).expect("quantize");
+                for (what, x) in &cases {
+                    w.upload_f32(2, &[1, k], x);
+                    let (got, want) = product_and_reference(&mut w, &[1, k], &[n, k], bits, group);
+                    assert_close(&got, &want, &format!("{set}: {what}, {bits} bits, group {group}"));
+                    w.request(0, "release", &[], &[2], nil());
+                }
+                // An infinity or a NaN in x: no finite number where
+                // dequantize-then-multiply gives none (an infinity times a
+                // zero code may be a NaN here and an infinity there).
+                for bad in [f32::INFINITY, f32::NAN] {
+                    let mut x = base.clone();
+                    x[100] = bad;
+                    w.upload_f32(2, &[1, k], &x);
+                    let (got, want) = product_and_reference(&mut w, &[1, k], &[n, k], bits, group);
+                    for (i, (g, e)) in got.iter().zip(&want).enumerate() {
+                        assert!(
+                            !g.is_finite() && !e.is_finite(),
+                            "{set}: x[100] = {bad}, {bits} bits, group {group}: element {i}: {g} vs {e}"
+                        );
+                    }
+                    w.request(0, "release", &[], &[2], nil());
+                }
+                w.request(0, "release", &[], &[1], nil());
+            }
+        }
+    }
+}
+
 #[test]
 fn batched_strided_broadcast_and_empty_inputs() {
     let (n, k) = (16, 64);
@@ -283,7 +357,7 @@ fn half_width_weights_keep_their_scales_and_compute_in_f32() {
 fn f32_weights_with_bf16_scales_hold_fewer_bytes_and_multiply_alike() {
     let (n, k) = (20, 512);
     for set in sets() {
-        let mut w = Worker::start_env(&[], &[("MOAT_CPU_FEATURES", set)]);
+        let mut w = start(set);
         w.upload_f32(3, &[n, k], &values((n * k) as usize, 21));
         for m in [1, 3] {
             w.upload_f32(2, &[m, k], &values((m * k) as usize, 22 + m as u64));

@@ -84,8 +84,25 @@ fn main() {
     // lib/ serves them all. `$ORIGIN/../lib` is for the test executables in
     // deps/.
     println!("cargo:rustc-link-arg=-Wl,--disable-new-dtags");
+    // shim/scheduler.cpp defines MLX's scheduler entry points that libmlx
+    // calls through its PLT: exported from the executable, they are the ones
+    // libmlx binds to (and forward to libmlx's own). `--undefined` keeps
+    // their object in the link.
+    for symbol in SCHEDULER_SYMBOLS {
+        println!("cargo:rustc-link-arg=-Wl,--undefined={symbol}");
+        println!("cargo:rustc-link-arg=-Wl,--export-dynamic-symbol={symbol}");
+    }
     println!("cargo:rustc-link-arg=-Wl,-rpath,$ORIGIN/lib:$ORIGIN/../lib");
 }
+
+/// `mlx::core::scheduler::Scheduler::enqueue(Stream, std::function<void()>)`,
+/// `signal_event` and `wait_event(Stream, Event, std::function<void(Event&)>)`
+/// (MLX 0.32's scheduler.h), mangled.
+const SCHEDULER_SYMBOLS: [&str; 3] = [
+    "_ZN3mlx4core9scheduler9Scheduler7enqueueENS0_6StreamESt8functionIFvvEE",
+    "_ZN3mlx4core9scheduler9Scheduler12signal_eventENS0_6StreamENS0_5EventESt8functionIFvRS4_EE",
+    "_ZN3mlx4core9scheduler9Scheduler10wait_eventENS0_6StreamENS0_5EventESt8functionIFvRS4_EE",
+];
 
 /// libmlx and what the wheel vendors beside it (`<package>.libs/`), as
 /// (file name, path).

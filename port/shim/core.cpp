@@ -193,7 +193,12 @@ int moat_array_row_contiguous(const moat_array* a) {
 const void* moat_array_data(const moat_array* a) { return arr(a).data<void>(); }
 
 int moat_eval(moat_array* const* arrays, size_t n) {
-  return guard([&] { mx::eval(to_arrays(arrays, n)); });
+  return guard([&] {
+    // MLX's CPU tasks of this evaluation may run on this thread
+    // (scheduler.cpp).
+    SyncEval sync;
+    mx::eval(to_arrays(arrays, n));
+  });
 }
 
 int moat_async_eval(moat_array* const* arrays, size_t n) {

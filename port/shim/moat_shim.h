@@ -85,6 +85,12 @@ int moat_async_eval(moat_array* const* arrays, size_t n);
 // queued: the kernels then run back to back, where an idle thread would be
 // woken for each op (a context switch per op on a busy machine).
 int moat_async_eval_gated(moat_array* const* arrays, size_t n);
+// 1 when a synchronous evaluation runs MLX's CPU tasks on the calling thread
+// (scheduler.cpp; MOAT_INLINE_EVAL=0 turns it off), else 0.
+int moat_inline_eval(void);
+// What this thread ran inline, and handed to a CPU stream's thread, so far,
+// and MLX's count of active tasks (its scheduler's `n_active_tasks`).
+void moat_inline_eval_stats(uint64_t* inlined, uint64_t* forwarded, int64_t* active);
 
 // Memory (memory.cpp): MLX's allocator statistics and limits.
 size_t moat_active_memory(void);

@@ -14,6 +14,15 @@ namespace mx = mlx::core;
 
 void set_error(const char* msg);
 
+// Marks this thread as inside a synchronous evaluation while it lives: MLX's
+// CPU tasks may then run inline (scheduler.cpp).
+struct SyncEval {
+  SyncEval();
+  ~SyncEval();
+  SyncEval(const SyncEval&) = delete;
+  SyncEval& operator=(const SyncEval&) = delete;
+};
+
 inline const mx::array& arr(const moat_array* a) {
   return *reinterpret_cast<const mx::array*>(a);
 }

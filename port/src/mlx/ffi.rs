@@ -90,6 +90,8 @@ extern "C" {
     pub fn moat_eval(arrays: *const *mut moat_array, n: usize) -> c_int;
     pub fn moat_async_eval(arrays: *const *mut moat_array, n: usize) -> c_int;
     pub fn moat_async_eval_gated(arrays: *const *mut moat_array, n: usize) -> c_int;
+    pub fn moat_inline_eval() -> c_int;
+    pub fn moat_inline_eval_stats(inlined: *mut u64, forwarded: *mut u64, active: *mut i64);
 
     pub fn moat_compile(
         trace: moat_trace_fn,

@@ -210,6 +210,36 @@ pub fn async_eval_gated(arrays: &[&Array]) -> Result<()> {
     check(unsafe { ffi::moat_async_eval_gated(raw.as_ptr(), raw.len()) })
 }
 
+/// Whether `eval` runs MLX's CPU tasks on the calling thread, with no hand-off
+/// to the stream's thread (port/shim/scheduler.cpp; `MOAT_INLINE_EVAL=0`
+/// turns it off).
+pub fn inline_eval() -> bool {
+    // SAFETY: reads a setting; no arguments.
+    unsafe { ffi::moat_inline_eval() == 1 }
+}
+
+/// How this thread's MLX CPU tasks ran, for tests and profiles.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct InlineStats {
+    /// Tasks (and event signals) run on this thread, so far.
+    pub inlined: u64,
+    /// Tasks (and event signals and waits) handed to a stream's thread.
+    pub forwarded: u64,
+    /// MLX's count of task groups not yet finished (`n_active_tasks`).
+    pub active: i64,
+}
+
+pub fn inline_eval_stats() -> InlineStats {
+    let (mut inlined, mut forwarded, mut active) = (0u64, 0u64, 0i64);
+    // SAFETY: the pointers are valid for one write each.
+    unsafe { ffi::moat_inline_eval_stats(&mut inlined, &mut forwarded, &mut active) };
+    InlineStats {
+        inlined,
+        forwarded,
+        active,
+    }
+}
+
 /// Schedules evaluation and returns at once.
 pub fn async_eval(arrays: &[&Array]) -> Result<()> {
     let raw: Vec<*mut ffi::moat_array> = arrays.iter().map(|a| a.raw()).collect();

@@ -1,0 +1,238 @@
+// Runs MLX's CPU tasks on the calling thread during a synchronous
+// evaluation (docs/latency.md, "MLX's stream thread").
+//
+// An `mx::eval` on the CPU hands each task (ten kernels at most) to the
+// stream's thread, `scheduler::StreamThread` (a queue and a condition
+// variable), and waits on an event the thread signals last: two thread
+// wake-ups per evaluation, and one more hand-off per task. libmlx calls the
+// scheduler's `enqueue` and `signal_event` through its PLT, so the worker
+// defines them here (exported from the executable by port/build.rs, so that
+// libmlx binds to these) and forwards to libmlx's own (`dlsym(RTLD_NEXT)`),
+// except for a task that may run inline: one enqueued on a CPU stream while
+// this thread is inside `moat_eval` (`SyncEval`), not from inside an inline
+// task, with nothing forwarded to that stream's thread still queued or
+// running, and the stream's error known clear. Such a task runs at once, as
+// it would have run next on the stream's idle thread, so the order of tasks
+// on the stream is kept.
+//
+// Errors keep MLX's path. A forwarded task is wrapped: it counts as
+// outstanding until MLX's wrapper around it (which stores what it throws in
+// the stream's error) has let go of it. An inline task that throws does not
+// let the exception out of `enqueue` (the caller, a CPU command encoder,
+// would skip the task that ends its count in `n_active_tasks`): a task that
+// rethrows it is forwarded instead, so MLX stores it in the stream's error
+// as if the stream's thread had run the kernel, and everything after it in
+// this evaluation (the final `signal_event`, which poisons the evaluation's
+// event from that error) is forwarded behind it. The stream's error is known
+// clear once `check_error` (libmlx's) finds nothing with nothing outstanding;
+// what it finds is put back the same way, through a forwarded task.
+//
+// MOAT_INLINE_EVAL=0 turns all of this off (every task forwarded, as MLX
+// does) for A/B measurements.
+#include <dlfcn.h>
+
+#include <atomic>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <functional>
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+#include "mlx/event.h"
+#include "mlx/scheduler.h"
+#include "shim_core.hpp"
+
+namespace mx = mlx::core;
+namespace sch = mlx::core::scheduler;
+
+namespace {
+
+constexpr const char kEnqueue[] = "_ZN3mlx4core9scheduler9Scheduler7enqueueENS0_6StreamESt8functionIFvvEE";
+constexpr const char kSignal[] =
+    "_ZN3mlx4core9scheduler9Scheduler12signal_eventENS0_6StreamENS0_5EventESt8functionIFvRS4_EE";
+constexpr const char kWait[] =
+    "_ZN3mlx4core9scheduler9Scheduler10wait_eventENS0_6StreamENS0_5EventESt8functionIFvRS4_EE";
+
+// libmlx's members, called as functions of `this` and the same parameters
+// (the Itanium ABI passes `this` first; the std::function and Event by
+// invisible reference either way).
+using EnqueueFn = void (*)(sch::Scheduler*, mx::Stream, std::function<void()>);
+using EventFn = void (*)(sch::Scheduler*, mx::Stream, mx::Event, std::function<void(mx::Event&)>);
+
+template <typename F>
+F original(const char* name) {
+  void* p = dlsym(RTLD_NEXT, name);
+  if (p == nullptr) {
+    // Without libmlx's own there is no scheduler at all.
+    std::fprintf(stderr, "moat: %s not found in libmlx (%s)\n", name, dlerror());
+    std::abort();
+  }
+  return reinterpret_cast<F>(p);
+}
+
+EnqueueFn orig_enqueue() {
+  static EnqueueFn f = original<EnqueueFn>(kEnqueue);
+  return f;
+}
+
+EventFn orig_signal() {
+  static EventFn f = original<EventFn>(kSignal);
+  return f;
+}
+
+EventFn orig_wait() {
+  static EventFn f = original<EventFn>(kWait);
+  return f;
+}
+
+bool enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("MOAT_INLINE_EVAL");
+    return v == nullptr || std::strcmp(v, "0") != 0;
+  }();
+  return on;
+}
+
+// Per CPU stream index (MLX numbers streams from 0; the worker has a handful).
+constexpr int kStreams = 64;
+
+struct StreamState {
+  // Forwarded tasks not yet let go of by the stream's thread.
+  std::atomic<long> outstanding{0};
+  // The stream's error is known clear: nothing forwarded since it was
+  // found clear, and every inline task since succeeded.
+  std::atomic<bool> clean{false};
+};
+
+StreamState states[kStreams];
+
+StreamState* state_of(const mx::Stream& s) {
+  if (s.device != mx::Device::cpu || s.index < 0 || s.index >= kStreams) return nullptr;
+  return &states[s.index];
+}
+
+thread_local int sync_depth = 0;
+thread_local bool running_inline = false;
+// Tasks (and signals) this thread ran inline, and handed to a CPU stream's
+// thread: `moat_inline_eval_stats`.
+thread_local uint64_t ran_inline = 0;
+thread_local uint64_t handed_over = 0;
+
+// Counts one outstanding task for as long as any copy of it lives.
+struct Outstanding {
+  StreamState* st;
+  explicit Outstanding(StreamState* s) : st(s) { st->outstanding.fetch_add(1, std::memory_order_acq_rel); }
+  Outstanding(const Outstanding& o) : st(o.st) { st->outstanding.fetch_add(1, std::memory_order_acq_rel); }
+  Outstanding& operator=(const Outstanding&) = delete;
+  ~Outstanding() { st->outstanding.fetch_sub(1, std::memory_order_acq_rel); }
+};
+
+void forward(sch::Scheduler* self, const mx::Stream& s, std::function<void()> task) {
+  StreamState* st = state_of(s);
+  if (st == nullptr) {
+    orig_enqueue()(self, s, std::move(task));
+    return;
+  }
+  st->clean.store(false, std::memory_order_release);
+  ++handed_over;
+  orig_enqueue()(self, s, [held = Outstanding(st), task = std::move(task)]() mutable { task(); });
+}
+
+// Hands `error` to the stream's thread, where MLX's wrapper stores it in the
+// stream's error (the earliest one is kept).
+void forward_error(sch::Scheduler* self, const mx::Stream& s, std::exception_ptr error) {
+  forward(self, s, [error] { std::rethrow_exception(error); });
+}
+
+// Whether a task of `s` may run on this thread now (see the top).
+bool may_run_inline(sch::Scheduler* self, const mx::Stream& s, StreamState*& st) {
+  if (sync_depth == 0 || running_inline || !enabled()) return false;
+  st = state_of(s);
+  if (st == nullptr || st->outstanding.load(std::memory_order_acquire) != 0) return false;
+  if (st->clean.load(std::memory_order_acquire)) return true;
+  try {
+    self->check_error(s);
+  } catch (...) {
+    // An error a forwarded task left: back where MLX keeps it.
+    forward_error(self, s, std::current_exception());
+    return false;
+  }
+  st->clean.store(true, std::memory_order_release);
+  return true;
+}
+
+}  // namespace
+
+namespace mlx::core::scheduler {
+
+void Scheduler::enqueue(Stream s, std::function<void()> task) {
+  StreamState* st = nullptr;
+  if (!may_run_inline(this, s, st)) {
+    forward(this, s, std::move(task));
+    return;
+  }
+  running_inline = true;
+  ++ran_inline;
+  try {
+    task();
+  } catch (...) {
+    running_inline = false;
+    forward_error(this, s, std::current_exception());
+    return;
+  }
+  running_inline = false;
+}
+
+void Scheduler::signal_event(Stream s, Event event, std::function<void(Event&)> task) {
+  StreamState* st = nullptr;
+  if (may_run_inline(this, s, st)) {
+    // MLX's wrapper would first poison the event from the stream's error,
+    // which is clear.
+    ++ran_inline;
+    task(event);
+    return;
+  }
+  st = state_of(s);
+  if (st == nullptr) {
+    orig_signal()(this, s, std::move(event), std::move(task));
+    return;
+  }
+  ++handed_over;
+  orig_signal()(this, s, std::move(event),
+                [held = Outstanding(st), task = std::move(task)](Event& e) mutable { task(e); });
+}
+
+void Scheduler::wait_event(Stream s, Event event, std::function<void(Event&)> task) {
+  // Always on the stream's thread: MLX's wrapper poisons the stream from the
+  // waited event's error, which only libmlx can read.
+  StreamState* st = state_of(s);
+  if (st == nullptr) {
+    orig_wait()(this, s, std::move(event), std::move(task));
+    return;
+  }
+  st->clean.store(false, std::memory_order_release);
+  ++handed_over;
+  orig_wait()(this, s, std::move(event),
+              [held = Outstanding(st), task = std::move(task)](Event& e) mutable { task(e); });
+}
+
+}  // namespace mlx::core::scheduler
+
+namespace moat {
+
+SyncEval::SyncEval() { ++sync_depth; }
+SyncEval::~SyncEval() { --sync_depth; }
+
+}  // namespace moat
+
+extern "C" int moat_inline_eval(void) { return enabled() ? 1 : 0; }
+
+extern "C" void moat_inline_eval_stats(uint64_t* inlined, uint64_t* forwarded, int64_t* active) {
+  *inlined = ran_inline;
+  *forwarded = handed_over;
+  *active = sch::n_active_tasks();
+}

@@ -198,6 +198,7 @@ int moat_eval(moat_array* const* arrays, size_t n) {
     // (scheduler.cpp).
     SyncEval sync;
     mx::eval(to_arrays(arrays, n));
+    sync.succeeded();
   });
 }
 

@@ -11,7 +11,7 @@
 // except for a task that may run inline: one enqueued on a CPU stream while
 // this thread is inside `moat_eval` (`SyncEval`), not from inside an inline
 // task, with nothing forwarded to that stream's thread still queued or
-// running, and the stream's error known clear. Such a task runs at once, as
+// running, and the stream's error known clear (see below). Such a task runs at once, as
 // it would have run next on the stream's idle thread, so the order of tasks
 // on the stream is kept.
 //
@@ -24,8 +24,14 @@
 // as if the stream's thread had run the kernel, and everything after it in
 // this evaluation (the final `signal_event`, which poisons the evaluation's
 // event from that error) is forwarded behind it. The stream's error is known
-// clear once `check_error` (libmlx's) finds nothing with nothing outstanding;
-// what it finds is put back the same way, through a forwarded task.
+// clear only after a synchronous evaluation that signalled on that stream
+// succeeded with nothing forwarded to it since: MLX poisons an evaluation's
+// event from the stream's error, so a success means there was none. Until
+// then every task of the stream is forwarded, which is MLX's own behaviour
+// exactly. (Reading the error with `check_error` would consume it, and
+// putting it back made MLX's main-thread `enqueue` throw after its encoder
+// had counted a task group: `n_active_tasks` leaked until `wait_for_one`
+// blocked for good.)
 //
 // MOAT_INLINE_EVAL=0 turns all of this off (every task forwarded, as MLX
 // does) for A/B measurements.
@@ -116,6 +122,8 @@ StreamState* state_of(const mx::Stream& s) {
 }
 
 thread_local int sync_depth = 0;
+// The CPU streams the current synchronous evaluation signalled on.
+thread_local uint64_t signalled = 0;
 thread_local bool running_inline = false;
 // Tasks (and signals) this thread ran inline, and handed to a CPU stream's
 // thread: `moat_inline_eval_stats`.
@@ -149,20 +157,11 @@ void forward_error(sch::Scheduler* self, const mx::Stream& s, std::exception_ptr
 }
 
 // Whether a task of `s` may run on this thread now (see the top).
-bool may_run_inline(sch::Scheduler* self, const mx::Stream& s, StreamState*& st) {
+bool may_run_inline(const mx::Stream& s, StreamState*& st) {
   if (sync_depth == 0 || running_inline || !enabled()) return false;
   st = state_of(s);
   if (st == nullptr || st->outstanding.load(std::memory_order_acquire) != 0) return false;
-  if (st->clean.load(std::memory_order_acquire)) return true;
-  try {
-    self->check_error(s);
-  } catch (...) {
-    // An error a forwarded task left: back where MLX keeps it.
-    forward_error(self, s, std::current_exception());
-    return false;
-  }
-  st->clean.store(true, std::memory_order_release);
-  return true;
+  return st->clean.load(std::memory_order_acquire);
 }
 
 }  // namespace
@@ -171,7 +170,7 @@ namespace mlx::core::scheduler {
 
 void Scheduler::enqueue(Stream s, std::function<void()> task) {
   StreamState* st = nullptr;
-  if (!may_run_inline(this, s, st)) {
+  if (!may_run_inline(s, st)) {
     forward(this, s, std::move(task));
     return;
   }
@@ -189,7 +188,8 @@ void Scheduler::enqueue(Stream s, std::function<void()> task) {
 
 void Scheduler::signal_event(Stream s, Event event, std::function<void(Event&)> task) {
   StreamState* st = nullptr;
-  if (may_run_inline(this, s, st)) {
+  if (sync_depth > 0 && state_of(s) != nullptr) signalled |= uint64_t{1} << s.index;
+  if (may_run_inline(s, st)) {
     // MLX's wrapper would first poison the event from the stream's error,
     // which is clear.
     ++ran_inline;
@@ -224,8 +224,18 @@ void Scheduler::wait_event(Stream s, Event event, std::function<void(Event&)> ta
 
 namespace moat {
 
-SyncEval::SyncEval() { ++sync_depth; }
+SyncEval::SyncEval() {
+  if (sync_depth++ == 0) signalled = 0;
+}
 SyncEval::~SyncEval() { --sync_depth; }
+
+void SyncEval::succeeded() {
+  // Only the outermost evaluation's success says the streams are clear.
+  if (sync_depth != 1) return;
+  for (int i = 0; i < kStreams; ++i) {
+    if (signalled & (uint64_t{1} << i)) states[i].clean.store(true, std::memory_order_release);
+  }
+}
 
 }  // namespace moat
 

@@ -19,6 +19,9 @@ void set_error(const char* msg);
 struct SyncEval {
   SyncEval();
   ~SyncEval();
+  // The evaluation returned normally: the streams it signalled on hold no
+  // error (MLX would have poisoned its event from one).
+  void succeeded();
   SyncEval(const SyncEval&) = delete;
   SyncEval& operator=(const SyncEval&) = delete;
 };

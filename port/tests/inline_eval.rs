@@ -62,6 +62,10 @@ fn synchronous_cpu_evaluations_run_inline_and_keep_mlx_errors() {
     assert_eq!(inline, std::env::var("MOAT_INLINE_EVAL").as_deref() != Ok("0"));
     let x = f32s(&[1.0, 2.0, 3.0, 4.0]);
 
+    // The first evaluation of a stream is forwarded: its success is what
+    // shows the stream holds no error.
+    mlx::eval(&[&chain(&x, 2)]).unwrap();
+
     // A small chain: every task (25 kernels, three task groups, the final
     // signal) on this thread, none on the stream's.
     let before = mlx::inline_eval_stats();
@@ -145,4 +149,33 @@ fn synchronous_cpu_evaluations_run_inline_and_keep_mlx_errors() {
     mlx::eval(&[&next]).unwrap();
     assert_eq!(read(&next), vec![4.0, 5.0, 6.0, 7.0]);
     assert!(settle() <= base + 1);
+
+    errors_in_a_row_leave_no_task_counted();
+}
+
+/// Errors an async evaluation leaves, each followed by a synchronous
+/// evaluation, many times over: MLX's count of active task groups must not
+/// creep up (at its limit, `wait_for_one` would block the worker for good),
+/// and the next evaluation succeeds. Run on its own thread, so a hang fails
+/// the test instead of stalling it.
+fn errors_in_a_row_leave_no_task_counted() {
+    let (done, finished) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let x = f32s(&[1.0, 2.0, 3.0, 4.0]);
+        let mut worst = 0;
+        for _ in 0..300 {
+            let failing = ops::add(&chain(&x, 5), &ops::sum(&singular(), &[0], false).unwrap()).unwrap();
+            let _ = mlx::async_eval(&[&chain(&failing, 25)]);
+            let _ = mlx::eval(&[&chain(&x, 26)]);
+            worst = worst.max(mlx::inline_eval_stats().active);
+        }
+        let y = chain(&x, 3);
+        mlx::eval(&[&y]).unwrap();
+        done.send((worst, read(&y))).unwrap();
+    });
+    let (worst, y) = finished
+        .recv_timeout(std::time::Duration::from_secs(60))
+        .expect("evaluations blocked after repeated errors");
+    assert_eq!(y, vec![4.0, 5.0, 6.0, 7.0]);
+    assert!(worst <= 2, "MLX's active task count crept up to {worst}");
 }

@@ -36,22 +36,23 @@ constexpr size_t kBlock = 64;
 // included, one run, EPYC Zen 4 VM with 2 vCPUs); half floats and M > 1 keep them.
 constexpr bool kBlasByDefault = true;
 
-}  // namespace
+// OpenBLAS's sgemv, found at run time: a worker built on MLX's bundled
+// reference BLAS (MOAT_BLAS=bundled, or no libopenblas at build time) has no
+// cblas_sgemv to link against, and keeps these rows.
+using Sgemv = void (*)(int order, int trans, int m, int n, float alpha, const float* a, int lda, const float* x,
+                       int incx, float beta, float* y, int incy);
 
-// The BLAS MLX links (OpenBLAS, or the wheel's reference BLAS).
-extern "C" void cblas_sgemv(int order, int trans, int m, int n, float alpha, const float* a, int lda, const float* x,
-                            int incx, float beta, float* y, int incy);
-
-namespace {
-
-// Whether one f32 row takes sgemv: only OpenBLAS's (threaded, blocked), not
-// a reference BLAS; MOAT_MATVEC_BLAS=1 or 0 forces the choice.
-bool blas_row() {
-  static const bool on = [] {
-    if (const char* e = std::getenv("MOAT_MATVEC_BLAS")) return std::string(e) == "1";
-    return kBlasByDefault && dlsym(RTLD_DEFAULT, "openblas_get_num_threads") != nullptr;
+// OpenBLAS's sgemv where one f32 row takes it (threaded, blocked; never a
+// reference BLAS), else null; MOAT_MATVEC_BLAS=1 or 0 forces the choice
+// (1 still needs OpenBLAS's).
+Sgemv blas_row() {
+  static const Sgemv f = [] {
+    if (dlsym(RTLD_DEFAULT, "openblas_get_num_threads") == nullptr) return Sgemv{nullptr};
+    const char* e = std::getenv("MOAT_MATVEC_BLAS");
+    if (e != nullptr ? std::string(e) != "1" : !kBlasByDefault) return Sgemv{nullptr};
+    return reinterpret_cast<Sgemv>(dlsym(RTLD_DEFAULT, "cblas_sgemv"));
   }();
-  return on;
+  return f;
 }
 
 k::Storage storage(mx::Dtype t) { return t == mx::float32 ? k::F32 : t == mx::float16 ? k::F16 : k::BF16; }
@@ -88,14 +89,15 @@ class MatVec : public mx::UnaryPrimitive {
     size_t m = x.shape(0), kk = x.shape(1), n = out.shape(1);
     encoder.dispatch([rows = rows_, transposed = transposed_, st = storage(x.dtype()), es = x.itemsize(),
                       px = x.data<char>(), pw = w.data<char>(), po = out.data<char>(), m, kk, n] {
-      if (st == k::F32 && m == 1 && n > 0 && kk > 0 && blas_row()) {
+      Sgemv sgemv = st == k::F32 && m == 1 && n > 0 && kk > 0 ? blas_row() : nullptr;
+      if (sgemv != nullptr) {
         auto f = [](const char* p) { return reinterpret_cast<const float*>(p); };
         int ni = static_cast<int>(n), ki = static_cast<int>(kk);
         // Row-major (101); w {N, K}: w x (111), w {K, N}: wᵀ x (112).
         if (transposed) {
-          cblas_sgemv(101, 112, ki, ni, 1.0f, f(pw), ni, f(px), 1, 0.0f, reinterpret_cast<float*>(po), 1);
+          sgemv(101, 112, ki, ni, 1.0f, f(pw), ni, f(px), 1, 0.0f, reinterpret_cast<float*>(po), 1);
         } else {
-          cblas_sgemv(101, 111, ni, ki, 1.0f, f(pw), ki, f(px), 1, 0.0f, reinterpret_cast<float*>(po), 1);
+          sgemv(101, 111, ni, ki, 1.0f, f(pw), ki, f(px), 1, 0.0f, reinterpret_cast<float*>(po), 1);
         }
         return;
       }

@@ -44,6 +44,7 @@
 #include <cstring>
 #include <exception>
 #include <functional>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -130,13 +131,28 @@ thread_local bool running_inline = false;
 thread_local uint64_t ran_inline = 0;
 thread_local uint64_t handed_over = 0;
 
-// Counts one outstanding task for as long as any copy of it lives.
+// Counts one outstanding task until it has run without throwing (`done`) or,
+// where it threw, until every copy of it is gone: MLX's wrapper stores the
+// error before it lets go of the task. Released as soon as the task returns,
+// not when the stream's thread gets round to destroying it: the evaluation
+// the task ends may already be back on the calling thread by then, and would
+// find the stream busy and forward its tasks too (and the next one, and so
+// on).
 struct Outstanding {
-  StreamState* st;
-  explicit Outstanding(StreamState* s) : st(s) { st->outstanding.fetch_add(1, std::memory_order_acq_rel); }
-  Outstanding(const Outstanding& o) : st(o.st) { st->outstanding.fetch_add(1, std::memory_order_acq_rel); }
-  Outstanding& operator=(const Outstanding&) = delete;
-  ~Outstanding() { st->outstanding.fetch_sub(1, std::memory_order_acq_rel); }
+  struct Token {
+    StreamState* st;
+    std::atomic<bool> held{true};
+    explicit Token(StreamState* s) : st(s) { st->outstanding.fetch_add(1, std::memory_order_acq_rel); }
+    Token(const Token&) = delete;
+    Token& operator=(const Token&) = delete;
+    void done() {
+      if (held.exchange(false, std::memory_order_acq_rel)) st->outstanding.fetch_sub(1, std::memory_order_acq_rel);
+    }
+    ~Token() { done(); }
+  };
+  std::shared_ptr<Token> token;
+  explicit Outstanding(StreamState* s) : token(std::make_shared<Token>(s)) {}
+  void done() const { token->done(); }
 };
 
 void forward(sch::Scheduler* self, const mx::Stream& s, std::function<void()> task) {
@@ -147,7 +163,10 @@ void forward(sch::Scheduler* self, const mx::Stream& s, std::function<void()> ta
   }
   st->clean.store(false, std::memory_order_release);
   ++handed_over;
-  orig_enqueue()(self, s, [held = Outstanding(st), task = std::move(task)]() mutable { task(); });
+  orig_enqueue()(self, s, [held = Outstanding(st), task = std::move(task)]() mutable {
+    task();
+    held.done();
+  });
 }
 
 // Hands `error` to the stream's thread, where MLX's wrapper stores it in the
@@ -202,8 +221,12 @@ void Scheduler::signal_event(Stream s, Event event, std::function<void(Event&)> 
     return;
   }
   ++handed_over;
-  orig_signal()(this, s, std::move(event),
-                [held = Outstanding(st), task = std::move(task)](Event& e) mutable { task(e); });
+  // Released before the signal: the waiting thread resumes at once, and a
+  // signal does not throw.
+  orig_signal()(this, s, std::move(event), [held = Outstanding(st), task = std::move(task)](Event& e) mutable {
+    held.done();
+    task(e);
+  });
 }
 
 void Scheduler::wait_event(Stream s, Event event, std::function<void(Event&)> task) {
@@ -216,8 +239,10 @@ void Scheduler::wait_event(Stream s, Event event, std::function<void(Event&)> ta
   }
   st->clean.store(false, std::memory_order_release);
   ++handed_over;
-  orig_wait()(this, s, std::move(event),
-              [held = Outstanding(st), task = std::move(task)](Event& e) mutable { task(e); });
+  orig_wait()(this, s, std::move(event), [held = Outstanding(st), task = std::move(task)](Event& e) mutable {
+    task(e);
+    held.done();
+  });
 }
 
 }  // namespace mlx::core::scheduler

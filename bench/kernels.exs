@@ -186,13 +186,20 @@ blocks =
     {worker, x, block_weights.(worker)}
   end
 
-block = fn x, w -> time_us(fn -> Nx.to_binary(Bench.Decoder.block(x, w)) end) end
-for {_, x, w} <- blocks, do: block.(x, w)
+# The block builds its causal mask with Nx.iota: on that worker too, as
+# under `Nx.default_backend(Moat.Backend)`, not on Nx.BinaryBackend.
+block = fn worker, x, w ->
+  Nx.with_default_backend({Moat.Backend, worker: worker}, fn ->
+    time_us(fn -> Nx.to_binary(Bench.Decoder.block(x, w)) end)
+  end)
+end
+
+for {worker, x, w} <- blocks, do: block.(worker, x, w)
 
 block_times =
   for _ <- 1..rounds, {worker, x, w} <- blocks, reduce: %{} do
     acc ->
-      t = block.(x, w)
+      t = block.(worker, x, w)
       Map.update(acc, worker, [t], &[t | &1])
   end
 

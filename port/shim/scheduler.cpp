@@ -16,7 +16,8 @@
 // on the stream is kept.
 //
 // Errors keep MLX's path. A forwarded task is wrapped: it counts as
-// outstanding until MLX's wrapper around it (which stores what it throws in
+// outstanding until it has returned (a signal: until it starts), or, where
+// it threw, until MLX's wrapper around it (which stores what it throws in
 // the stream's error) has let go of it. An inline task that throws does not
 // let the exception out of `enqueue` (the caller, a CPU command encoder,
 // would skip the task that ends its count in `n_active_tasks`): a task that
@@ -206,18 +207,17 @@ void Scheduler::enqueue(Stream s, std::function<void()> task) {
 }
 
 void Scheduler::signal_event(Stream s, Event event, std::function<void(Event&)> task) {
-  StreamState* st = nullptr;
-  if (sync_depth > 0 && state_of(s) != nullptr) signalled |= uint64_t{1} << s.index;
+  StreamState* st = state_of(s);
+  if (st == nullptr) {
+    orig_signal()(this, s, std::move(event), std::move(task));
+    return;
+  }
+  if (sync_depth > 0) signalled |= uint64_t{1} << s.index;
   if (may_run_inline(s, st)) {
     // MLX's wrapper would first poison the event from the stream's error,
     // which is clear.
     ++ran_inline;
     task(event);
-    return;
-  }
-  st = state_of(s);
-  if (st == nullptr) {
-    orig_signal()(this, s, std::move(event), std::move(task));
     return;
   }
   ++handed_over;

@@ -182,9 +182,14 @@ defmodule Moat do
   holds it, where that is another node).
   """
   @spec to_binary(Ref.t()) :: binary()
-  def to_binary(%Ref{worker: worker} = ref) do
+  def to_binary(%Ref{} = ref), do: to_binary(ref, nil)
+
+  @doc false
+  # `to_binary/1` of a tensor its caller knows to hold at most `max_bytes`
+  # (Moat.Backend knows its shape): see `Moat.Transfer.read/4`.
+  def to_binary(%Ref{worker: worker} = ref, max_bytes) do
     :telemetry.span([:moat, :to_binary], %{worker: worker}, fn ->
-      {:ok, meta, data} = ok!(Handles.to_binary(ref))
+      {:ok, meta, data} = ok!(Handles.to_binary(ref, max_bytes))
       shape = List.to_tuple(meta.shape)
       transfer = Map.get(meta, :transfer, :pipe)
       {data, %{worker: worker, shape: shape, dtype: meta.dtype, byte_size: meta.bytes, transfer: transfer}}

@@ -443,8 +443,10 @@ defmodule Moat.Backend do
     binary
   end
 
-  # The tensor's data in Nx's layout.
-  defp read(%T{type: type} = tensor), do: tensor |> ref() |> Moat.to_binary() |> Types.from_storage(type)
+  # The tensor's data in Nx's layout. No storage type takes more than 16
+  # bytes an element (c128 as two f64), which bounds what the worker sends.
+  defp read(%T{type: type} = tensor),
+    do: tensor |> ref() |> Moat.to_binary(Nx.size(tensor) * 16) |> Types.from_storage(type)
 
   @impl true
   def inspect(%T{data: %__MODULE__{device: device, quant: quant}} = tensor, inspect_opts) do

@@ -300,16 +300,16 @@ defmodule Moat.Handles do
 
   @doc """
   Evaluates a handle's tensor and returns its bytes as `Moat.Client.call/5`
-  does, with the reply's metadata (see `Moat.Transfer.read/3`). A tensor of
+  does, with the reply's metadata (see `Moat.Transfer.read/4`). A tensor of
   another node's worker comes from that node (`transfer: :distribution`).
   """
-  @spec to_binary(Ref.t()) :: {:ok, map(), binary()} | {:error, Error.t()}
-  def to_binary(%Ref{worker: name} = ref) do
+  @spec to_binary(Ref.t(), non_neg_integer() | nil) :: {:ok, map(), binary()} | {:error, Error.t()}
+  def to_binary(%Ref{worker: name} = ref, max_bytes \\ nil) do
     case remote_node(ref) do
       nil ->
         conn = Client.conn(name)
         [id] = ids!(conn, [ref], :to_binary)
-        Transfer.read(conn, id, ref)
+        Transfer.read(conn, id, ref, max_bytes)
 
       node ->
         fetch(ref, node, :to_binary)

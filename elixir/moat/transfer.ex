@@ -1,7 +1,7 @@
 defmodule Moat.Transfer do
   @moduledoc """
   Tensor bytes in and out of a worker, by id: uploads (`upload/5`) and
-  readbacks (`read/3`).
+  readbacks (`read/4`).
 
   Large tensors skip the pipe where the worker runs on this host and offers
   shared memory (see `Moat.Worker`'s `:shared_memory` option and
@@ -89,11 +89,20 @@ defmodule Moat.Transfer do
   worker's memory (the metadata says `transfer: :shared_memory`), and the
   worker holds it (as a pin, an id of its own) only until then. `handle`
   (the id's, checked by the caller) stays reachable until the last frame
-  that reads `id` is written.
+  that reads `id` is written. A caller that knows the tensor holds fewer
+  bytes than the threshold says so with `max_bytes`: the worker would send
+  it through the pipe anyway, so the read skips the pin (its id, token and
+  attrs: 3–4 µs of a small readback, docs/latency.md).
   """
-  @spec read(Client.t(), pos_integer(), term()) :: {:ok, map(), binary()} | {:error, Error.t()}
-  def read(%Client{shared: nil} = conn, id, _handle), do: Client.call(conn, :to_binary, [id], nil)
-  def read(%Client{shared: shared} = conn, id, handle), do: read_shared(conn, shared, id, handle)
+  @spec read(Client.t(), pos_integer(), term(), non_neg_integer() | nil) ::
+          {:ok, map(), binary()} | {:error, Error.t()}
+  def read(conn, id, handle, max_bytes \\ nil)
+
+  def read(%Client{shared: %{threshold: threshold} = shared} = conn, id, handle, max_bytes)
+      when max_bytes == nil or max_bytes >= threshold,
+      do: read_shared(conn, shared, id, handle)
+
+  def read(conn, id, _handle, _max_bytes), do: Client.call(conn, :to_binary, [id], nil)
 
   defp read_shared(%Client{releaser: releaser} = conn, shared, id, handle) do
     pin = Client.new_id()

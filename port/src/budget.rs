@@ -353,9 +353,11 @@ const GATED_NODES: usize = 32;
 /// order): each run of nodes is queued with MLX's CPU thread held, so its
 /// kernels run back to back, then the evaluation is waited for. Each run's
 /// handles are dropped once it is queued, so intermediate buffers are freed
-/// as in one `eval`.
+/// as in one `eval`. Where a synchronous CPU evaluation runs its tasks on
+/// this thread (port/shim/scheduler.cpp), one `eval` does that already, and
+/// queueing through MLX's thread would only add its hand-offs.
 fn eval_batched(pending: Vec<memory::Pending>, arrays: &[&Array]) -> Result<(), EvalError> {
-    if pending.len() > 1 {
+    if pending.len() > 1 && !(mlx::inline_eval() && !mlx::on_gpu()) {
         let nodes: Vec<Array> = pending.into_iter().map(|p| p.node).collect();
         for run in runs(&kinds(&nodes), GATED_NODES) {
             let refs: Vec<&Array> = nodes[run].iter().collect();

@@ -22,12 +22,13 @@ namespace {
 // (exp of 1M f32: 1.2 ms with them, 0.27 ms without). Buffers up to 32 MiB
 // (glibc's largest mmap threshold) therefore come from the heap, and freed
 // memory stays with the process until 1 GiB of it is free at the top or
-// clear_cache (malloc_trim) returns it. GLIBC_TUNABLES naming malloc wins.
+// clear_cache (malloc_trim) returns it. A threshold GLIBC_TUNABLES names
+// wins (Moat.Worker sets only the per-thread cache's size there).
 const bool malloc_tuned = [] {
   const char* tunables = std::getenv("GLIBC_TUNABLES");
-  if (tunables && std::strstr(tunables, "glibc.malloc.")) return false;
-  mallopt(M_MMAP_THRESHOLD, 32 << 20);
-  mallopt(M_TRIM_THRESHOLD, 1 << 30);
+  auto named = [&](const char* name) { return tunables != nullptr && std::strstr(tunables, name) != nullptr; };
+  if (!named("glibc.malloc.mmap_threshold")) mallopt(M_MMAP_THRESHOLD, 32 << 20);
+  if (!named("glibc.malloc.trim_threshold")) mallopt(M_TRIM_THRESHOLD, 1 << 30);
   return true;
 }();
 #endif

@@ -29,6 +29,18 @@ float scale_at(Scale st, const void* p, size_t i) {
   return 0.0f;
 }
 
+// Eight scales or biases from index i on, as f32.
+template <Scale ST>
+__m256 load8(const void* p, size_t i) {
+  if constexpr (ST == F32) {
+    return _mm256_loadu_ps(static_cast<const float*>(p) + i);
+  } else {
+    __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i));
+    if constexpr (ST == F16) return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+}
+
 // The eight values of `row` from value k on (k a multiple of 8), as int32
 // lanes. Reads whole words, up to two bytes past the last value of the
 // weight (Problem::w's bytes are followed by the scales' at least).
@@ -111,7 +123,7 @@ void tile(const Problem& p, int n, int m) {
 // A single x row is split into integer levels (split4) instead, and the
 // same bytes meet it through vpmaddubsw (tile4i): the prepared floats
 // start with a flag (1: one x row, every block split), then prepare4's
-// floats, then for the one row kBlockFloats per block. From two x rows on,
+// floats, then for the one row kBlockFloats per block and its group sums. From two x rows on,
 // tile4's conversions serve two or four rows and it is as fast or faster
 // (1 x 4096 x 4096 on Zen 2, one thread, weight in L3: 1.0 against 1.6
 // ms; 2 rows: even; 4 rows: 3.7 against 3.1 ms).
@@ -119,7 +131,7 @@ constexpr size_t kHead = 8, kBlockFloats = 56;
 
 size_t prepared_floats(const Problem& p) {
   if (p.bits != 4 || p.K % 64 != 0) return 0;
-  return kHead + static_cast<size_t>(p.M) * p.K / 8 * 9 + (p.M == 1 ? p.K / 64 * kBlockFloats : 0);
+  return kHead + static_cast<size_t>(p.M) * p.K / 8 * 9 + (p.M == 1 ? p.K / 64 * kBlockFloats + p.K / p.group : 0);
 }
 
 void prepare4(const Problem& p, float* xt) {
@@ -218,6 +230,15 @@ void prepare(const Problem& p, float* out) {
   bool ok = p.M == 1;
   for (int b = 0; b < p.K && ok; b += 64) ok = split4(p.x + b, blocks + b / 64 * kBlockFloats);
   out[0] = ok ? 1.0f : 0.0f;
+  if (!ok) return;
+  // The group sums of x, from prepare4's sums of eight.
+  const float* eights = out + kHead + p.K;
+  float* group_sums = blocks + p.K / 64 * kBlockFloats;
+  for (int g = 0; g < p.K / p.group; ++g) {
+    float sum = 0.0f;
+    for (int i = 0; i < p.group / 8; ++i) sum += eights[g * p.group / 8 + i];
+    group_sums[g] = sum;
+  }
 }
 
 // Lane j's scale or bias for the block of 64 from value k (k >> shift:
@@ -282,7 +303,7 @@ void tile4(const Problem& p, int n, int m) {
     for (int j = 0; j < NR; ++j) p.out[static_cast<size_t>(m + r) * p.N + n + j] = hsum(acc[j][r]);
 }
 
-// One x row against four weight rows through the integer levels: per
+// The one x row against four weight rows through the integer levels: per
 // block of 64, the low and high nibbles as bytes (one and, one shift, one
 // and for 64 values, against a shift, an and and a conversion per eight in
 // tile4), vpmaddubsw with each level (pairs of products of at most
@@ -290,13 +311,11 @@ void tile4(const Problem& p, int n, int m) {
 // vpmaddwd with 2^14, 2^7 and 1 (at most 2.5e8), then one conversion and
 // one FMA per eight lanes. Lane l covers values 8l..8l+7, as tile4's.
 template <Scale ST, bool G32>
-void tile4i(const Problem& p, int n, int m) {
+void tile4i(const Problem& p, int n) {
   constexpr int NR = 4;
   const size_t groups = p.K / p.group;
   const int shift = __builtin_ctz(static_cast<unsigned>(p.group));
-  const float* sums = p.prepared + kHead + static_cast<size_t>(p.M) * p.K + static_cast<size_t>(m) * p.K / 8;
-  const float* blocks = p.prepared + kHead + static_cast<size_t>(p.M) * p.K / 8 * 9 +
-                        static_cast<size_t>(m) * (p.K / 64) * kBlockFloats;
+  const float* blocks = p.prepared + kHead + static_cast<size_t>(p.K) / 8 * 9;
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   const __m256i weight[3] = {_mm256_set1_epi16(1 << 14), _mm256_set1_epi16(1 << 7), _mm256_set1_epi16(1)};
   const uint8_t* w = p.w + static_cast<size_t>(n) * p.K / 2;
@@ -307,7 +326,7 @@ void tile4i(const Problem& p, int n, int m) {
   for (int k = 0; k < p.K; k += 64) {
     const float* blk = blocks + k / 64 * kBlockFloats;
     const __m256i* lv = reinterpret_cast<const __m256i*>(blk);
-    const __m256 d = _mm256_loadu_ps(blk + 48), xs = _mm256_loadu_ps(sums + k / 8);
+    const __m256 d = _mm256_loadu_ps(blk + 48);
 #pragma GCC unroll 4
     for (int j = 0; j < NR; ++j) {
       __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * row + k / 2));
@@ -322,17 +341,26 @@ void tile4i(const Problem& p, int n, int m) {
                                         _mm256_maddubs_epi16(hi, _mm256_loadu_si256(lv + 2 * l + 1)));
         t = _mm256_add_epi32(t, _mm256_madd_epi16(pair, weight[l]));
       }
-      size_t at = static_cast<size_t>(n + j) * groups;
-      __m256 s = per_lane<ST, G32>(p.scales, at, k, shift), b = per_lane<ST, G32>(p.biases, at, k, shift);
+      __m256 s = per_lane<ST, G32>(p.scales, static_cast<size_t>(n + j) * groups, k, shift);
       acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(s, d), acc[j]);
-      acc[j] = _mm256_fmadd_ps(b, xs, acc[j]);
     }
   }
+  // The bias terms as one dot of a row's biases with x's group sums, not
+  // an FMA a block (in L2: 28 -> 25 us for 128 x 4096).
+  const float* group_sums = blocks + p.K / 64 * kBlockFloats;
 #pragma GCC unroll 4
-  for (int j = 0; j < NR; ++j) p.out[static_cast<size_t>(m) * p.N + n + j] = hsum(acc[j]);
+  for (int j = 0; j < NR; ++j) {
+    const size_t at = static_cast<size_t>(n + j) * groups;
+    size_t g = 0;
+    for (; g + 8 <= groups; g += 8)
+      acc[j] = _mm256_fmadd_ps(load8<ST>(p.biases, at + g), _mm256_loadu_ps(group_sums + g), acc[j]);
+    float rest = hsum(acc[j]);
+    for (; g < groups; ++g) rest += scale_at(ST, p.biases, at + g) * group_sums[g];
+    p.out[n + j] = rest;
+  }
 }
 
-using Tile = void (*)(const Problem& p, int n, int m);
+using Tile = void (*)(const Problem& p, int n);
 
 Tile tile4i_for(const Problem& p) {
   const bool g32 = p.group == 32;
@@ -380,7 +408,7 @@ void run_bits(const Problem& p, int n0, int n1) {
 void run4i(const Problem& p, int n0, int n1) {
   const Tile tile = tile4i_for(p);
   int n = n0;
-  for (; n + 4 <= n1; n += 4) tile(p, n, 0);
+  for (; n + 4 <= n1; n += 4) tile(p, n);
   Problem f = p;
   f.prepared = p.prepared + kHead;
   for (; n < n1; ++n) tile4<1, 1>(f, n, 0);

@@ -357,7 +357,7 @@ const GATED_NODES: usize = 32;
 /// this thread (port/shim/scheduler.cpp), one `eval` does that already, and
 /// queueing through MLX's thread would only add its hand-offs.
 fn eval_batched(pending: Vec<memory::Pending>, arrays: &[&Array]) -> Result<(), EvalError> {
-    if pending.len() > 1 && !(mlx::inline_eval() && !mlx::on_gpu()) {
+    if pending.len() > 1 && (mlx::on_gpu() || !mlx::inline_eval()) {
         let nodes: Vec<Array> = pending.into_iter().map(|p| p.node).collect();
         for run in runs(&kinds(&nodes), GATED_NODES) {
             let refs: Vec<&Array> = nodes[run].iter().collect();

@@ -443,10 +443,10 @@ defmodule Moat.Backend do
     binary
   end
 
-  # The tensor's data in Nx's layout. No storage type takes more than 16
-  # bytes an element (c128 as two f64), which bounds what the worker sends.
+  # The tensor's data in Nx's layout; its size in the worker tells the read
+  # whether it can take the shared-memory path at all.
   defp read(%T{type: type} = tensor),
-    do: tensor |> ref() |> Moat.to_binary(Nx.size(tensor) * 16) |> Types.from_storage(type)
+    do: tensor |> ref() |> Moat.to_binary(Nx.size(tensor) * Types.stored_bytes(type)) |> Types.from_storage(type)
 
   @impl true
   def inspect(%T{data: %__MODULE__{device: device, quant: quant}} = tensor, inspect_opts) do

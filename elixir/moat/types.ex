@@ -57,6 +57,10 @@ defmodule Moat.Types do
   @spec storage(Nx.Type.t()) :: Nx.Type.t()
   def storage(type), do: Map.get(@storage, type, type)
 
+  @doc "The bytes an element of `type` takes in the worker (c128: two f64 parts)."
+  @spec stored_bytes(Nx.Type.t()) :: pos_integer()
+  def stored_bytes({_, bits} = type), do: div(max(bits, elem(storage(type), 1)), 8)
+
   ## Bytes
 
   @doc false

@@ -408,23 +408,27 @@ void run_bits(const Problem& p, int n0, int n1) {
   }
 }
 
+// `p` as tile4 and tile read it: prepared at prepare4's floats.
+Problem for_tile4(const Problem& p) {
+  Problem f = p;
+  f.prepared = p.prepared + kHead;
+  return f;
+}
+
 // The integer path (one x row); the last n1 - n0 mod 4 weight rows take
 // tile4.
 void run4i(const Problem& p, int n0, int n1) {
   const Tile tile = tile4i_for(p);
   int n = n0;
   for (; n + 4 <= n1; n += 4) tile(p, n);
-  Problem f = p;
-  f.prepared = p.prepared + kHead;
+  const Problem f = for_tile4(p);
   for (; n < n1; ++n) tile4<1, 1>(f, n, 0);
 }
 
 void run(const Problem& p, int n0, int n1) {
   if (p.bits == 4 && p.prepared) {
     if (p.prepared[0] != 0.0f) return run4i(p, n0, n1);
-    Problem f = p;
-    f.prepared = p.prepared + kHead;
-    return run_bits<4>(f, n0, n1);
+    return run_bits<4>(for_tile4(p), n0, n1);
   }
   switch (p.bits) {
     case 2: return run_bits<2>(p, n0, n1);

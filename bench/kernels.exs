@@ -4,7 +4,13 @@
 # takes the widest), the scalar fallback and MLX's own kernels; `add` (MLX's
 # own kernel) shows what any 1M-element op costs in the worker. Then the
 # decoder block of bench/compiler.exs, eager at sequence 128, on the default
-# worker and on one with MLX's own kernels. Run with bin/bench (mix run -r
+# worker and on one with MLX's own kernels: in rounds that take each worker
+# in turn, alone, after a pause (300 ms) in which the other workers' pools
+# (OpenBLAS's, ours) have gone to sleep, then a warm-up call and 5 timed
+# calls; the ratio is of the medians of this one run. Alternating the
+# workers call by call measured each with the other's OpenBLAS threads
+# still spinning (up to 0.1 s after its last product under OpenBLAS's
+# default timeout: docs/latency.md). Run with bin/bench (mix run -r
 # bench/support.exs bench/kernels.exs).
 #
 # MOAT_BENCH_BASELINE=PATH adds a column from a worker of that executable
@@ -194,18 +200,25 @@ block = fn worker, x, w ->
   end)
 end
 
-for {worker, x, w} <- blocks, do: block.(worker, x, w)
+block_rounds = max(div(rounds, 3), 1)
 
 block_times =
-  for _ <- 1..rounds, {worker, x, w} <- blocks, reduce: %{} do
+  for _ <- 1..block_rounds, {worker, x, w} <- blocks, reduce: %{} do
     acc ->
-      t = block.(worker, x, w)
-      Map.update(acc, worker, [t], &[t | &1])
+      Process.sleep(300)
+      block.(worker, x, w)
+      ts = for _ <- 1..5, do: block.(worker, x, w)
+      Map.update(acc, worker, ts, &(ts ++ &1))
   end
 
 [ours, mlx] = for worker <- [Moat.Worker, :bench_mlx], do: median(block_times[worker])
 base = if baseline, do: [ms.(median(block_times[:bench_base]))], else: []
-IO.puts("\nDecoder block of bench/compiler.exs, eager, sequence 128 (ms, median of #{rounds}, call + readback):\n")
+
+IO.puts(
+  "\nDecoder block of bench/compiler.exs, eager, sequence 128 (ms, median of #{block_rounds} rounds of 5, " <>
+    "each worker alone, call + readback):\n"
+)
+
 base_head = if baseline, do: ["baseline worker"], else: []
 row(["", "Moat (#{info.cpu} kernels)", "Moat with MLX's own kernels", "MLX's / ours"] ++ base_head)
 row(["---", "---:", "---:", "---:"] ++ Enum.map(base_head, fn _ -> "---:" end))

@@ -20,6 +20,17 @@ defmodule Moat.Worker do
   worker at most `config :moat, max_restarts: 20` times in `max_seconds: 5`;
   a crash loop beyond that stops it rather than spinning.
 
+  ## The worker's environment
+
+  The worker inherits this VM's environment, plus the variables the options
+  below set. Two more are set only where the VM's environment does not set
+  them: `GLIBC_TUNABLES` (a larger malloc cache for MLX's many small
+  objects) and `OPENBLAS_THREAD_TIMEOUT=20`: OpenBLAS's idle threads then
+  spin for 2^20 CPU cycles (about 0.4 ms) after a matrix product before they
+  sleep, instead of its default 2^28 (about 0.1 s), which took a core from
+  the worker's own kernels, other workers and this VM (docs/latency.md,
+  "OpenBLAS's idle threads").
+
   ## Options
 
   Each option but `:name` and `:log_level` defaults to the `config :moat`
@@ -227,7 +238,8 @@ defmodule Moat.Worker do
         {:env,
          kernel_cache_env(setting.(:kernel_cache)) ++
            gpu_env(Keyword.get(opts, :gpu)) ++
-           tf32_env(setting.(:tf32)) ++ kernel_env(Keyword.get(opts, :cpu_kernels)) ++ malloc_env()}
+           tf32_env(setting.(:tf32)) ++
+           kernel_env(Keyword.get(opts, :cpu_kernels)) ++ malloc_env() ++ blas_env()}
       ])
 
     with {:ok, info} <- await_hello(port, setting.(:hello_timeout)), do: {:ok, port, info}
@@ -324,6 +336,18 @@ defmodule Moat.Worker do
   # own, which the worker then inherits unchanged.
   defp malloc_env do
     if System.get_env("GLIBC_TUNABLES"), do: [], else: [{~c"GLIBC_TUNABLES", ~c"glibc.malloc.tcache_count=512"}]
+  end
+
+  # After each call OpenBLAS's pthread pool spins (sched_yield) for
+  # 2^OPENBLAS_THREAD_TIMEOUT cycles before it sleeps: by default 2^28,
+  # about 0.1 s, in which the spinning thread takes a core from whatever
+  # runs next. 2^20 (about 0.4 ms) still covers the gap between the matrix
+  # products of one evaluation; 2^4 sleeps at once and made small products
+  # slower (a wake-up each). On 2 vCPUs (docs/latency.md) the decoder block
+  # at sequence 128 used 26 ms of the worker's CPU a call instead of 42, and
+  # no row got slower.
+  defp blas_env do
+    if System.get_env("OPENBLAS_THREAD_TIMEOUT"), do: [], else: [{~c"OPENBLAS_THREAD_TIMEOUT", ~c"20"}]
   end
 
   defp kernel_env(nil), do: []

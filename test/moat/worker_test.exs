@@ -128,6 +128,47 @@ defmodule Moat.WorkerTest do
     end
   end
 
+  describe "the worker's environment" do
+    defp worker_env(name) do
+      "/proc/#{os_pid(name)}/environ"
+      |> File.read!()
+      |> String.split(<<0>>, trim: true)
+      |> Map.new(&List.to_tuple(String.split(&1, "=", parts: 2)))
+    end
+
+    # The VM's own value of each variable, put back after the test.
+    defp with_vm_env(vars, fun) do
+      saved = Map.new(vars, fn {k, _} -> {k, System.get_env(k)} end)
+
+      try do
+        for {k, v} <- vars, do: if(v, do: System.put_env(k, v), else: System.delete_env(k))
+        fun.()
+      after
+        for {k, v} <- saved, do: if(v, do: System.put_env(k, v), else: System.delete_env(k))
+      end
+    end
+
+    test "sets OpenBLAS's spin and glibc's malloc cache where the VM's environment does not" do
+      with_vm_env([{"OPENBLAS_THREAD_TIMEOUT", nil}, {"GLIBC_TUNABLES", nil}], fn ->
+        env = worker_env(start_worker(:default_env))
+        assert env["OPENBLAS_THREAD_TIMEOUT"] == "20"
+        assert env["GLIBC_TUNABLES"] == "glibc.malloc.tcache_count=512"
+      end)
+    end
+
+    test "keeps the VM's own values" do
+      with_vm_env([{"OPENBLAS_THREAD_TIMEOUT", "28"}, {"GLIBC_TUNABLES", "glibc.malloc.tcache_count=7"}], fn ->
+        name = start_worker(:user_env)
+        env = worker_env(name)
+        assert env["OPENBLAS_THREAD_TIMEOUT"] == "28"
+        assert env["GLIBC_TUNABLES"] == "glibc.malloc.tcache_count=7"
+        # A matrix product through OpenBLAS's pool works under either.
+        a = filled(name, 1.0, 64)
+        assert Moat.to_binary(matmul(a, a)) == :binary.copy(f32([64.0]), 64 * 64)
+      end)
+    end
+  end
+
   describe "backpressure" do
     test "fire-and-forget frames never exceed the window of unacknowledged frames" do
       worker = start_worker(:narrow_window, window: 16)

@@ -345,7 +345,8 @@ defmodule Moat.Worker do
   # products of one evaluation; 2^4 sleeps at once and made small products
   # slower (a wake-up each). On 2 vCPUs (docs/latency.md) the decoder block
   # at sequence 128 used 26.5 ms of the worker's CPU a call instead of 38.2,
-  # a decode-sized block 2.8 instead of 8.1, and no wall time got worse.
+  # a decode-sized block 2.8 instead of 8.1, wall times within a few per
+  # cent.
   defp blas_env do
     if System.get_env("OPENBLAS_THREAD_TIMEOUT"), do: [], else: [{~c"OPENBLAS_THREAD_TIMEOUT", ~c"20"}]
   end

@@ -68,10 +68,19 @@ pub fn dot(x: &[&Array], a: &Term) -> Outputs {
     finish(ops::reshape(&product, &[batch, m_dims, n_dims].concat()), a)
 }
 
+/// The most rows of x an f32 product by a weight `{N, K}` takes through
+/// `rows_by_matrix`.
+const F32_ROWS: i32 = 6;
+
 /// Rows that decode a transformer, `x {M, K}` by a weight `{N, K}` (or
 /// `{K, N}`) with M <= 16, on the CPU: one pass over the weight in its own
 /// storage (the shim's matvec), where sgemm would pack it first and half
 /// floats would be copied to f32. `None` when the product is not of that form.
+///
+/// f32 takes them only where they beat OpenBLAS's sgemm (measured at K = N =
+/// 4096, Zen 3, same run): a weight `{N, K}` up to `F32_ROWS` rows (4 rows:
+/// 9.3 against 13.5 ms, 8 rows: 16.3 against 13.5), a weight `{K, N}` for one
+/// row only (sgemv; 2 rows through the matvec's axpy: 27 against 9.6 ms).
 fn rows_by_matrix(
     l: &Array,
     r: &Array,
@@ -96,6 +105,9 @@ fn rows_by_matrix(
     } else {
         return Ok(None);
     };
+    if l.dtype() == Dtype::F32 && m > if transposed { 1 } else { F32_ROWS } {
+        return Ok(None);
+    }
     let w = ops::reshape(r, &if transposed { [k, n] } else { [n, k] })?;
     Ok(Some(ops::matvec(&ops::reshape(l, &[m, k])?, &w, transposed)?))
 }

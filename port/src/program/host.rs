@@ -597,6 +597,7 @@ macro_rules! float {
                 Wide::Float(f64::from(self))
             }
 
+            // `f as f64` in f64's.
             #[allow(clippy::unnecessary_cast)]
             fn narrow(w: Wide) -> Option<Self> {
                 Some(match w {

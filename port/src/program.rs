@@ -6,6 +6,12 @@
 //! memory limit), or a control-flow step (`while`, `cond`) whose condition
 //! is evaluated here, in the worker. The first failing step fails the run
 //! and names its op, as an eager op would.
+//!
+//! A while loop of small arrays and simple ops runs on the host instead
+//! (`host`): an MLX op costs ~4 µs however small, which is all such a
+//! loop's iteration is.
+
+mod host;
 
 use crate::budget::{self, budget, EvalError};
 use crate::checks::Checks;
@@ -75,6 +81,9 @@ enum Step {
         /// The iteration cut into the part the condition depends on and the
         /// rest, when it can be (`Split::new`).
         split: Option<Split>,
+        /// The loop as the host runs it, when its steps are all host ops
+        /// (`host::Loop`); it runs there when its arrays are small too.
+        host: Option<Box<host::Loop>>,
     },
     Cond {
         outs: Vec<usize>,
@@ -720,6 +729,7 @@ impl Parser {
                     init: ins,
                     outs,
                     split: Split::new(&state, &cond, pred, &body),
+                    host: host::Loop::new(&state, &cond, pred, &body).map(Box::new),
                     state,
                     cond: Rc::new(cond),
                     pred,
@@ -878,11 +888,23 @@ impl Run<'_> {
                 body,
                 fused,
                 split,
+                host,
             } => {
                 let values = self.values(init, "while")?;
                 self.set(state, values);
-                match split {
-                    Some(split) if fused.is_none() && !self.tracing && !self.checks.detect_non_finite => {
+                // Before any MLX path, fused ones too (faster for the
+                // arrays it takes, by `bench/compiler.exs`'s while row).
+                let hosted = host
+                    .as_ref()
+                    .filter(|_| !self.tracing && !self.checks.detect_non_finite)
+                    .and_then(|h| h.run(&self.slots));
+                match (hosted, split) {
+                    (Some(arrays), _) => {
+                        let arrays = arrays?;
+                        budget::admit_results(&arrays).map_err(|e| Failure::new("while", e.to_string()))?;
+                        self.set(state, arrays);
+                    }
+                    (None, Some(split)) if fused.is_none() && !self.tracing && !self.checks.detect_non_finite => {
                         self.split_loop(split, cond, *pred, body, state)?
                     }
                     _ => self.iterate(cond, *pred, body, state, fused.as_ref())?,

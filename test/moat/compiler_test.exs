@@ -111,6 +111,32 @@ defmodule Moat.CompilerTest do
     end
   end
 
+  test "small loops (run on the worker's host path) give the evaluator's bits" do
+    nan = Nx.tensor([:nan, :infinity, :neg_infinity, -0.0, 0.0, 1.5, -2.5])
+    f64 = t([1.0, -2.0e300, 3.5], type: :f64)
+    s64 = t([9_000_000_000_000_000_000, -5, 7], type: :s64)
+
+    for n <- [0, 1, 7, 50, 1000] do
+      assert_equivalent(&C.small_mixed/3, [f64, s64, t(n)])
+      assert_equivalent(&C.small_select/2, [nan, t(n)])
+    end
+
+    assert_equivalent(&C.counter/1, [random({4}, 1)])
+    assert_equivalent(&C.small_bits/1, [t([0, 1, 200, 255], type: :u8)])
+    # NaNs of different bits: one MLX makes (inf - inf, sign set), one from Nx.
+    made = Nx.subtract(t([:infinity, 1.0]), t([:infinity, 1.0]))
+    assert_equivalent(&C.small_nans/3, [made, t([:nan, 2.0]), t(3)])
+    assert_equivalent(&C.small_nans/3, [made, made, t(3)])
+
+    for tol <- [2.0, 0.3, 1.0e-30] do
+      assert_equivalent(&C.small_tolerance/2, [random({2, 3}, 2), t(tol)])
+    end
+
+    # Past the host's bound (64 elements), the same loops run on MLX.
+    assert_equivalent(&C.small_select/2, [random({65}, 3), t(20)])
+    assert_equivalent(&C.small_tolerance/2, [random({8, 9}, 4), t(1.0e-3)])
+  end
+
   test "cond takes each branch" do
     for x <- [t([60.0, 50.0]), t([1.0, 2.0]), t([-1.0, -2.0])] do
       assert_equivalent(&C.conds/1, [x])
@@ -330,6 +356,11 @@ defmodule Moat.CompilerTest do
     assert Nx.to_number(x) == 3.0
     refute_received {:telemetry, [:moat, :compiler, :fallback], _, _}
     for i <- [1.0, 2.0, 3.0], do: assert_received({:iteration, ^i})
+    # A loop small enough for the host path still fires each iteration's hook, in order.
+    assert {x, _} = jit(&Hooked.loop/1, hooks: hooks).(t(10.0))
+    assert Nx.to_number(x) == 13.0
+    firings = for _ <- 1..4, do: receive(do: ({:iteration, i} -> i), after: (0 -> nil))
+    assert firings == [11.0, 12.0, 13.0, nil]
   end
 
   test "Nx.Serving runs jitted functions" do

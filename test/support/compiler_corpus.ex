@@ -113,6 +113,44 @@ defmodule Moat.CompilerCorpus do
     acc
   end
 
+  # Loops of small arrays, which the worker runs on the host
+  # (port/src/program/host.rs): f64 and s64 state, integers that wrap.
+  defn small_mixed(x, k, n) do
+    while {i = 0, x, k, j = 1, n}, i < n do
+      {i + 1, x * 1.0001 + Nx.as_type(k, :f64) / 1.0e19, k * 3 + 1, j * 7 - 3, n}
+    end
+  end
+
+  # Select, min, max, abs and negate on whatever the state holds (NaN, infinities, -0).
+  defn small_select(x, n) do
+    while {i = 0, x, n}, i < n do
+      y = Nx.select(x > 0, -x, Nx.abs(x))
+      {i + 1, Nx.max(Nx.min(y * 2.0, x), -1.0e30) + 0.5, n}
+    end
+  end
+
+  # A condition of two comparisons; a scalar broadcast over the state.
+  defn small_tolerance(x, tol) do
+    while {i = 0, err = 1.0, x, tol}, i < 1000 and err > tol do
+      {i + 1, err * 0.5, x + err, tol}
+    end
+  end
+
+  # Sums and products of NaNs (of different bits, where MLX's layout picks
+  # the NaN kept: the host path leaves those to MLX).
+  defn small_nans(x, y, n) do
+    while {i = 0, x, y, n}, i < n do
+      {i + 1, x + y, y * x - x, n}
+    end
+  end
+
+  # u8 arithmetic and bit ops, wrapping.
+  defn small_bits(a) do
+    while {i = 0, a}, i < 300 do
+      {i + 1, Nx.bitwise_xor(a * 3, a + 1)}
+    end
+  end
+
   defn divide_loop(x, d) do
     {_i, x, _d} =
       while {i = 0, x, d}, i < 3 do

@@ -269,4 +269,4 @@ macro_rules! element {
     )*};
 }
 
-element! { u8 => U8, u32 => U32, u64 => U64, i32 => S32, i64 => S64, f32 => F32, f64 => F64 }
+element! { u8 => U8, u16 => U16, u32 => U32, u64 => U64, i8 => S8, i16 => S16, i32 => S32, i64 => S64, f32 => F32, f64 => F64 }

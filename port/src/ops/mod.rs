@@ -9,7 +9,7 @@
 //! builder fails with a message; the session turns that into poisoned outputs
 //! that name the op.
 
-mod attrs;
+pub(crate) mod attrs;
 mod cache;
 mod compose;
 mod convert;

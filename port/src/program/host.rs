@@ -660,6 +660,10 @@ macro_rules! types {
             $($v(Vec<$t>)),*
         }
 
+        /// The types this path takes.
+        #[cfg(test)]
+        const TYPES: &[Dtype] = &[$(Dtype::$v),*];
+
         impl Data {
             fn dtype(&self) -> Dtype {
                 match self {
@@ -771,19 +775,6 @@ mod tests {
 
     use super::*;
     use crate::protocol::{dtype_term, map, shape_term};
-
-    const TYPES: [Dtype; 10] = [
-        Dtype::U8,
-        Dtype::U16,
-        Dtype::U32,
-        Dtype::U64,
-        Dtype::S8,
-        Dtype::S16,
-        Dtype::S32,
-        Dtype::S64,
-        Dtype::F32,
-        Dtype::F64,
-    ];
 
     struct Random(u64);
 
@@ -976,7 +967,7 @@ mod tests {
     fn ops_give_what_their_builders_give() {
         let mut random = Random(0x9e37_79b9_7f4a_7c15);
         let to_u8 = typed(Dtype::U8);
-        for t in TYPES {
+        for &t in TYPES {
             let x = samples(t, &mut random);
             for (a, b) in pairs(&x, &x) {
                 for name in ARITH {
@@ -1005,7 +996,7 @@ mod tests {
             };
             same("select", &[&x, &on_true, &on_false], &typed(Dtype::F32));
             // Conversions, and ops across types (both sides converted first).
-            for to in TYPES {
+            for &to in TYPES {
                 for name in ["astype", "copy", "negate", "abs"] {
                     match t.is_float() && !to.is_float() {
                         true => refused(name, &[&x], &typed(to)),

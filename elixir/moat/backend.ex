@@ -106,7 +106,8 @@ defmodule Moat.Backend do
       the set is chosen from what the CPU reports and named in the hello's
       `cpu`), computed in f32 over the
       whole range, denormals included: within 1 ulp of the exact result
-      (`sigmoid` 3, `erfc` 2, `rsqrt` 1.5; `sin`/`cos` at any magnitude);
+      (`sigmoid` 3, `erfc` 2, `rsqrt` 1.5, `erf` 1.01; `sin`/`cos` at any
+      magnitude);
       f16 and bf16 results are the f32 result rounded once. Other math
       follows MLX's kernels: in f32 within ~5e-7 relative of Erlang's
       `:math`.

@@ -239,7 +239,7 @@ defmodule Moat.Worker do
          kernel_cache_env(setting.(:kernel_cache)) ++
            gpu_env(Keyword.get(opts, :gpu)) ++
            tf32_env(setting.(:tf32)) ++
-           kernel_env(Keyword.get(opts, :cpu_kernels)) ++ malloc_env() ++ blas_env()}
+           kernel_env(Keyword.get(opts, :cpu_kernels)) ++ default_env()}
       ])
 
     with {:ok, info} <- await_hello(port, setting.(:hello_timeout)), do: {:ok, port, info}
@@ -327,19 +327,18 @@ defmodule Moat.Worker do
   defp install_hint(:gpu), do: " (MOAT_MLX=cuda13 bin/setup builds the worker on MLX's CUDA backend)"
   defp install_hint(_), do: ""
 
-  # MLX builds and frees a handful of small C++ objects per node, more of
-  # one size per evaluation than glibc's per-thread cache keeps (7): the
-  # rest took malloc's slow paths, about a fifth of the worker's CPU time
-  # in a chain of tiny ops. 512 a size (at most ~17 MB held a thread) made
-  # a 102-op jitted chain with its readback 6% faster (467 -> 438 µs,
-  # 2026-12-04). Only where the VM's environment sets no tunables of its
-  # own, which the worker then inherits unchanged.
-  defp malloc_env do
-    if System.get_env("GLIBC_TUNABLES"), do: [], else: [{~c"GLIBC_TUNABLES", ~c"glibc.malloc.tcache_count=512"}]
-  end
-
-  # After each call OpenBLAS's pthread pool spins (sched_yield) for
-  # 2^OPENBLAS_THREAD_TIMEOUT cycles before it sleeps: by default 2^28,
+  # Variables the worker gets only where the VM's environment does not set
+  # them (it then inherits the VM's value unchanged).
+  #
+  # GLIBC_TUNABLES: MLX builds and frees a handful of small C++ objects per
+  # node, more of one size per evaluation than glibc's per-thread cache keeps
+  # (7): the rest took malloc's slow paths, about a fifth of the worker's CPU
+  # time in a chain of tiny ops. 512 a size (at most ~17 MB held a thread)
+  # made a 102-op jitted chain with its readback 6% faster (467 -> 438 µs,
+  # 2026-12-04).
+  #
+  # OPENBLAS_THREAD_TIMEOUT: after each call OpenBLAS's pthread pool spins
+  # (sched_yield) for 2^timeout cycles before it sleeps: by default 2^28,
   # about 0.1 s, in which the spinning thread takes a core from whatever
   # runs next. 2^20 (about 0.4 ms) still covers the gap between the matrix
   # products of one evaluation; 2^4 sleeps at once and made small products
@@ -347,8 +346,13 @@ defmodule Moat.Worker do
   # at sequence 128 used 26.5 ms of the worker's CPU a call instead of 38.2,
   # a decode-sized block 2.8 instead of 8.1, wall times within a few per
   # cent.
-  defp blas_env do
-    if System.get_env("OPENBLAS_THREAD_TIMEOUT"), do: [], else: [{~c"OPENBLAS_THREAD_TIMEOUT", ~c"20"}]
+  @default_env [
+    {"GLIBC_TUNABLES", "glibc.malloc.tcache_count=512"},
+    {"OPENBLAS_THREAD_TIMEOUT", "20"}
+  ]
+
+  defp default_env do
+    for {name, value} <- @default_env, !System.get_env(name), do: {String.to_charlist(name), String.to_charlist(value)}
   end
 
   defp kernel_env(nil), do: []

@@ -894,17 +894,15 @@ impl Run<'_> {
                 self.set(state, values);
                 // Before any MLX path, fused ones too (faster for the
                 // arrays it takes, by `bench/compiler.exs`'s while row).
-                let hosted = host
-                    .as_ref()
-                    .filter(|_| !self.tracing && !self.checks.detect_non_finite)
-                    .and_then(|h| h.run(&self.slots));
+                let plain = !self.tracing && !self.checks.detect_non_finite;
+                let hosted = host.as_ref().filter(|_| plain).and_then(|h| h.run(&self.slots));
                 match (hosted, split) {
                     (Some(arrays), _) => {
                         let arrays = arrays?;
                         budget::admit_results(&arrays).map_err(|e| Failure::new("while", e.to_string()))?;
                         self.set(state, arrays);
                     }
-                    (None, Some(split)) if fused.is_none() && !self.tracing && !self.checks.detect_non_finite => {
+                    (None, Some(split)) if fused.is_none() && plain => {
                         self.split_loop(split, cond, *pred, body, state)?
                     }
                     _ => self.iterate(cond, *pred, body, state, fused.as_ref())?,

@@ -8,6 +8,7 @@
 use crate::frame::{self, FrameReader, Head, Limits};
 use crate::term::Term;
 use std::io::{self, BufReader, BufWriter, Read, Write};
+use std::os::fd::AsRawFd;
 
 /// Incoming frames, one at a time: a frame's header first, then its payload,
 /// which the caller reads into its destination or skips.
@@ -39,6 +40,27 @@ impl<R: Read> FrameSource for FrameReader<R> {
 
     fn skip_payload(&mut self) -> io::Result<()> {
         FrameReader::skip_payload(self)
+    }
+}
+
+/// A source that can tell whether its next read would block (the session
+/// acknowledges what it has served before it blocks, see `input`).
+pub trait Ready {
+    /// Whether a read would return at once.
+    fn ready(&self) -> bool {
+        self.poll(false)
+    }
+    /// Blocks until a read would return at once.
+    fn wait(&self) {
+        self.poll(true);
+    }
+    fn poll(&self, block: bool) -> bool;
+}
+
+impl<F: Read + AsRawFd> Ready for FrameReader<BufReader<F>> {
+    fn poll(&self, block: bool) -> bool {
+        let buffered = self.get_ref();
+        !buffered.buffer().is_empty() || crate::sys::readable(buffered.get_ref().as_raw_fd(), block)
     }
 }
 

@@ -52,6 +52,11 @@ impl<R: Read> FrameReader<R> {
         }
     }
 
+    /// The stream it reads from.
+    pub fn get_ref(&self) -> &R {
+        &self.inner
+    }
+
     /// Reads the next frame's header. `Ok(None)` is a clean end of input.
     pub fn next_head(&mut self) -> io::Result<Option<Head>> {
         if self.pending > 0 {

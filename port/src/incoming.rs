@@ -43,7 +43,8 @@ struct Pending {
     filled: usize,
 }
 
-struct Reader<S> {
+/// Frames turned into messages, with the uploads in progress between them.
+pub struct Reader<S> {
     frames: S,
     config: ReaderConfig,
     uploads: HashMap<Id, Pending>,
@@ -52,18 +53,9 @@ struct Reader<S> {
 
 /// Reads frames until end of input (`Ok`) or a broken stream (`Err`).
 pub fn read_loop(frames: impl FrameSource, config: ReaderConfig, tx: Sender<Incoming>) -> io::Result<()> {
-    let mut reader = Reader {
-        frames,
-        config,
-        uploads: HashMap::new(),
-        staged: HashMap::new(),
-    };
-    while let Some(head) = reader.frames.next_head()? {
-        let msg = reader.incoming(head)?;
-        if let Incoming::Call { call, .. } = &msg {
-            crate::trace::stamp("R", call.seq);
-        }
-        crate::spin::handed_over();
+    let mut reader = Reader::new(frames, config);
+    while let Some(msg) = reader.read()? {
+        hand_over(&msg);
         if tx.send(msg).is_err() {
             break;
         }
@@ -71,7 +63,39 @@ pub fn read_loop(frames: impl FrameSource, config: ReaderConfig, tx: Sender<Inco
     Ok(())
 }
 
+/// Marks a message handed to the session thread by another (see `spin`).
+pub fn hand_over(msg: &Incoming) {
+    if let Incoming::Call { call, .. } = msg {
+        crate::trace::stamp("R", call.seq);
+    }
+    crate::spin::handed_over();
+}
+
+impl<S> Reader<S> {
+    pub fn new(frames: S, config: ReaderConfig) -> Reader<S> {
+        Reader {
+            frames,
+            config,
+            uploads: HashMap::new(),
+            staged: HashMap::new(),
+        }
+    }
+
+    /// The frames it reads.
+    pub fn frames(&self) -> &S {
+        &self.frames
+    }
+}
+
 impl<S: FrameSource> Reader<S> {
+    /// The next frame as a message; `Ok(None)` at a clean end of input.
+    pub fn read(&mut self) -> io::Result<Option<Incoming>> {
+        match self.frames.next_head()? {
+            Some(head) => self.incoming(head).map(Some),
+            None => Ok(None),
+        }
+    }
+
     fn incoming(&mut self, head: Head) -> io::Result<Incoming> {
         let Head {
             header,

@@ -21,6 +21,7 @@ pub mod failure;
 pub mod fault;
 pub mod frame;
 pub mod incoming;
+pub mod input;
 pub mod mlx;
 pub mod ops;
 pub mod program;

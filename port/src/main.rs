@@ -7,7 +7,8 @@ use moat_port::checks::Checks;
 use moat_port::cnode::{self, NodeConfig};
 use moat_port::connection::{pipe_source, PipeSink};
 use moat_port::frame::Limits;
-use moat_port::incoming::{read_loop, ReaderConfig};
+use moat_port::incoming::{Reader, ReaderConfig};
+use moat_port::input::{self, Input};
 use moat_port::mlx::kernels::Kernels;
 use moat_port::mlx::{self, Device, DeviceInfo};
 use moat_port::protocol;
@@ -321,21 +322,22 @@ fn port(opts: Options) {
         shared_memory,
         replies: replies.clone(),
     };
+    let input = Reader::new(pipe_source(input, config.limits), config);
+    let input = Arc::new(Input::new(input).unwrap_or_else(|e| {
+        eprintln!("moat_port: cannot make the reader's timer: {e}");
+        std::process::exit(2);
+    }));
+    let shared = input.clone();
     thread::Builder::new()
         .name("reader".into())
-        .spawn(move || {
-            match read_loop(pipe_source(input, config.limits), config, in_tx) {
-                Ok(()) => log::info!("input closed; exiting"),
-                Err(e) => log::error!("input stream broken ({e}); exiting"),
-            }
-            sys::exit_now(0);
-        })
+        .spawn(move || input::end(shared.serve(in_tx)))
         .expect("spawn reader");
 
     machine.make_default();
     Session::new(opts.generation, replies)
         .with_checks(opts.checks)
         .with_shared_memory(shared_memory)
+        .with_input(input)
         .run(in_rx);
 }
 

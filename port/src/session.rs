@@ -31,6 +31,21 @@ pub fn op_names() -> Vec<&'static str> {
     REQUESTS.iter().copied().chain(ops::names()).collect()
 }
 
+/// What the session needs of its input besides the channel.
+pub trait Inbound: Send + Sync {
+    /// The next message: read by the session itself when the reader thread
+    /// is not reading (see `input`), else the next one the reader hands
+    /// over. `idle` runs before it blocks. A clean end of input or a broken
+    /// stream ends the process, as in the reader thread.
+    fn read_here(&self, rx: &Receiver<Incoming>, idle: &mut dyn FnMut()) -> Incoming;
+    /// The session starts serving a message.
+    fn started(&self);
+    /// The session has served it.
+    fn finished(&self);
+    /// The session is about to wait for frames: the reader reads now.
+    fn need_reader(&self);
+}
+
 /// What a pinned readback keeps alive until the client releases its pin.
 enum Pinned {
     /// The tensor, which the client reads at its address.
@@ -66,6 +81,8 @@ pub struct Session {
     inbox: Option<Receiver<Incoming>>,
     /// What that run read and did not serve: served next, in order.
     deferred: VecDeque<Incoming>,
+    /// The port's input, which the session reads itself while idle.
+    input: Option<Arc<dyn Inbound>>,
 }
 
 impl Session {
@@ -84,6 +101,7 @@ impl Session {
             pressure: Pressure::default(),
             inbox: None,
             deferred: VecDeque::new(),
+            input: None,
         }
     }
 
@@ -100,10 +118,18 @@ impl Session {
         self
     }
 
+    /// Reads its own input while idle (see `input`); without it, every
+    /// message comes through the channel `run` is given.
+    pub fn with_input(mut self, input: Arc<dyn Inbound>) -> Session {
+        self.input = Some(input);
+        self
+    }
+
     /// Serves until the reader hangs up.
     pub fn run(mut self, rx: Receiver<Incoming>) {
         self.inbox = Some(rx.clone());
         let mut spinner = Spinner::default();
+        let input = self.input.clone();
         loop {
             let next = match self.deferred.pop_front() {
                 Some(msg) => Ok(msg),
@@ -112,28 +138,34 @@ impl Session {
             let msg = match next {
                 Ok(msg) => msg,
                 Err(TryRecvError::Empty) => {
-                    // The idle ack goes out when the thread parks: a frame
-                    // that comes during the spin saves it (the next one is
-                    // at most `ACK_EVERY` requests away), and the reply is
-                    // then the only frame a small call costs.
-                    let next = spinner.wait(
-                        || match rx.try_recv() {
-                            Err(TryRecvError::Empty) => None,
-                            got => Some(got.ok()),
-                        },
-                        || {
-                            self.ack();
-                            rx.recv().ok()
-                        },
-                    );
-                    match next {
-                        Some(msg) => msg,
-                        None => return,
+                    if let Some(input) = &input {
+                        input.read_here(&rx, &mut || self.ack())
+                    } else {
+                        // The idle ack goes out when the thread parks: a frame
+                        // that comes during the spin saves it (the next one is
+                        // at most `ACK_EVERY` requests away), and the reply is
+                        // then the only frame a small call costs.
+                        let next = spinner.wait(
+                            || match rx.try_recv() {
+                                Err(TryRecvError::Empty) => None,
+                                got => Some(got.ok()),
+                            },
+                            || {
+                                self.ack();
+                                rx.recv().ok()
+                            },
+                        );
+                        match next {
+                            Some(msg) => msg,
+                            None => return,
+                        }
                     }
                 }
                 Err(TryRecvError::Disconnected) => return,
             };
+            input.as_ref().inspect(|i| i.started());
             self.handle(msg);
+            input.as_ref().inspect(|i| i.finished());
             if let Some(active) = self.pressure.observe(budget().live()) {
                 self.send(Outgoing::Frame(protocol::memory_pressure(active)));
             }

@@ -155,7 +155,31 @@ impl<L: Load> Spinner<L> {
     /// Waits for `poll` to give something: polls it within the budget, then
     /// calls `park` (which blocks until there is something, or the source is
     /// gone).
-    pub fn wait<T>(&mut self, mut poll: impl FnMut() -> Option<T>, park: impl FnOnce() -> T) -> T {
+    pub fn wait<T>(&mut self, poll: impl FnMut() -> Option<T>, park: impl FnOnce() -> T) -> T {
+        self.wait_then(poll, park, |s, start, woke| {
+            s.after_park(start, last_handed_over(), woke)
+        })
+    }
+
+    /// As `wait`, for a source that stamps no hand-over (the pipe the
+    /// session reads itself, see `input`): a park that ended within twice
+    /// the bound is taken for a caller in a loop, whose next message a spin
+    /// of the bound would likely have caught, as on an idle VM, where the
+    /// park's own wake-up is the expensive part.
+    pub fn wait_unstamped<T>(&mut self, poll: impl FnMut() -> Option<T>, park: impl FnOnce() -> T) -> T {
+        self.wait_then(poll, park, |s, start, woke| {
+            if !s.bound.is_zero() && woke.saturating_duration_since(start) <= s.bound * 2 {
+                s.candidate = Some(s.bound);
+            }
+        })
+    }
+
+    fn wait_then<T>(
+        &mut self,
+        mut poll: impl FnMut() -> Option<T>,
+        park: impl FnOnce() -> T,
+        after_park: impl FnOnce(&mut Self, Instant, Instant),
+    ) -> T {
         self.resume();
         let start = Instant::now();
         if !self.budget.is_zero() {
@@ -183,7 +207,7 @@ impl<L: Load> Spinner<L> {
             return park();
         }
         let got = park();
-        self.after_park(start, last_handed_over(), Instant::now());
+        after_park(self, start, Instant::now());
         got
     }
 

@@ -6,7 +6,7 @@
 
 use std::ffi::CStr;
 use std::fs::File;
-use std::io;
+use std::io::{self, Read};
 use std::os::fd::{AsRawFd, FromRawFd, RawFd};
 use std::os::raw::{c_int, c_void};
 use std::ptr;
@@ -239,6 +239,62 @@ fn holder(fd: RawFd) -> ! {
 pub fn default_sigchld() {
     // SAFETY: installing SIG_DFL for SIGCHLD has no memory-safety preconditions.
     unsafe { libc::signal(libc::SIGCHLD, libc::SIG_DFL) };
+}
+
+/// Whether reading `fd` would return at once: it has data, or its writer
+/// has hung up (a read then returns end of file). With `block`, waits
+/// until it would (or a signal interrupts the wait).
+pub fn readable(fd: RawFd, block: bool) -> bool {
+    let mut pfd = libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one pollfd on the stack, outliving the call.
+    unsafe { libc::poll(&mut pfd, 1, if block { -1 } else { 0 }) > 0 }
+}
+
+/// A one-shot timer another thread can wait on (a timerfd): setting it
+/// costs a system call and wakes no one; only its expiry wakes the waiter.
+pub struct Timer(File);
+
+impl Timer {
+    pub fn new() -> io::Result<Timer> {
+        // SAFETY: timerfd_create takes two flags; on success the descriptor is ours alone.
+        let fd = unsafe { libc::timerfd_create(libc::CLOCK_MONOTONIC, libc::TFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: `fd` is open and owned by nothing else.
+        Ok(Timer(unsafe { File::from_raw_fd(fd) }))
+    }
+
+    /// Fires once after `after` (at least 1 ns); `None` disarms it. Either
+    /// way an expiry not yet waited for is forgotten.
+    pub fn set(&self, after: Option<std::time::Duration>) {
+        let value = after.map_or(libc::timespec { tv_sec: 0, tv_nsec: 0 }, |d| libc::timespec {
+            tv_sec: d.as_secs() as libc::time_t,
+            tv_nsec: (d.subsec_nanos() as libc::c_long).max(if d.as_secs() == 0 { 1 } else { 0 }),
+        });
+        let spec = libc::itimerspec {
+            it_interval: libc::timespec { tv_sec: 0, tv_nsec: 0 },
+            it_value: value,
+        };
+        // SAFETY: `spec` lives on the stack for the call; a null old value is allowed.
+        unsafe { libc::timerfd_settime(self.0.as_raw_fd(), 0, &spec, std::ptr::null_mut()) };
+    }
+
+    /// Blocks until the timer fires.
+    pub fn wait(&self) -> io::Result<()> {
+        let mut ticks = [0u8; 8];
+        loop {
+            match (&self.0).read(&mut ticks) {
+                Ok(_) => return Ok(()),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+    }
 }
 
 /// Exits at once, without running destructors or waiting for other threads

@@ -104,3 +104,20 @@ fn bad_fault_attrs_are_errors_not_crashes() {
     w.upload_f32(1, &[1], &[3.0]);
     assert_eq!(w.read_f32(3, 1), vec![3.0]);
 }
+
+/// While the session serves a long request, the reader thread reads the
+/// frames behind it (port/src/input.rs): an `upload_file`, which the reader
+/// answers itself, is answered before the sleeping request is.
+#[test]
+fn frames_behind_a_long_request_are_read_while_it_runs() {
+    let mut w = Worker::start(&["--log-level", "error"]);
+    w.request(1, "fault", &[], &[], fault("sleep", vec![("ms", Term::int(1500))]));
+    w.request(2, "upload_file", &[5], &[], tensor_attrs(&[4], "f", 32, 16));
+    let (first, _) = w.recv();
+    let items = first.as_tuple().expect("reply tuple").to_vec();
+    assert_eq!((items[0].as_atom(), &items[1]), (Some("ok"), &Term::int(2)), "{first}");
+    assert_eq!(w.recv().0, moat_port::protocol::ok(1, nil()));
+    // Then the session reads again, and serves in order as before.
+    w.upload_f32(6, &[2], &[1.0, 2.0]);
+    assert_eq!(w.read_f32(3, 6), vec![1.0, 2.0]);
+}

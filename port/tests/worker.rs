@@ -218,3 +218,71 @@ fn the_worker_exits_when_its_input_closes() {
     let w = Worker::start(&[]);
     assert!(w.close(Duration::from_secs(1)).success());
 }
+
+/// The session reads its own input while idle and the reader thread reads
+/// behind a long request (port/src/input.rs): whichever reads, requests are
+/// served in the order they were sent. Bursts of casts and reads, some
+/// behind an evaluation long enough for the reader thread to take over,
+/// some sent one at a time: every reply comes in order, with its own value.
+#[test]
+fn requests_are_served_in_order_whichever_thread_reads_them() {
+    let mut w = Worker::start(&["--log-level", "error"]);
+    let n = 384;
+    w.upload_f32(1, &[n, n], &vec![1.0 / n as f32; (n * n) as usize]);
+    w.upload_f32(2, &[4], &[0.0, 1.0, 2.0, 3.0]);
+    let mut next_id = 10;
+    let mut seq = 0;
+    for round in 0..60u64 {
+        let mut expected = Vec::new();
+        // A slow read first in some rounds: a chain of products whose
+        // evaluation outlasts the reader's take-over.
+        if round % 3 == 0 {
+            let mut prev = 1;
+            for _ in 0..6 {
+                w.request(0, "matmul", &[next_id], &[prev, 1], typed("f", 32));
+                prev = next_id;
+                next_id += 1;
+            }
+            w.request(
+                0,
+                "sum",
+                &[next_id],
+                &[prev],
+                map(vec![("axes", ints(&[0, 1])), ("keep_axes", Term::atom("false"))]),
+            );
+            seq += 1;
+            w.request(seq, "to_binary", &[], &[next_id], nil());
+            expected.push((seq, vec![n as f32]));
+            next_id += 1;
+        }
+        // Then small adds, each read back, all sent before any reply is read.
+        for k in 0..(1 + round % 5) {
+            let c = (round * 10 + k) as f32;
+            w.upload_f32(next_id, &[1], &[c]);
+            w.request(0, "add", &[next_id + 1], &[2, next_id], nil());
+            seq += 1;
+            w.request(seq, "to_binary", &[], &[next_id + 1], nil());
+            expected.push((seq, vec![c, c + 1.0, c + 2.0, c + 3.0]));
+            next_id += 2;
+        }
+        for (want_seq, want) in expected {
+            let (header, payload) = w.recv();
+            let items = header.as_tuple().expect("reply tuple").to_vec();
+            assert_eq!(
+                (items[0].as_atom(), &items[1]),
+                (Some("ok"), &Term::int(want_seq)),
+                "{header}"
+            );
+            let got: Vec<f32> = payload
+                .chunks(4)
+                .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                .collect();
+            let close = got.len() == want.len()
+                && got
+                    .iter()
+                    .zip(&want)
+                    .all(|(a, b)| (a - b).abs() <= 1e-2 * b.abs().max(1.0));
+            assert!(close, "seq {want_seq}: {got:?}, expected {want:?}");
+        }
+    }
+}

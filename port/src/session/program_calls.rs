@@ -84,6 +84,11 @@ impl Session {
                 ))
             }
             Some(program) if program.has_hooks() && req.seq != 0 => {
+                // The run waits for its caller's acknowledgements: someone
+                // must read them.
+                if let Some(input) = &self.input {
+                    input.need_reader();
+                }
                 let mut link = HookLink {
                     seq: req.seq,
                     out: &self.out,

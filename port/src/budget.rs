@@ -194,8 +194,30 @@ pub fn cache() -> usize {
 /// Returns the cached memory to the system: what was `keep`-ed, and MLX's
 /// cache (its error, if any, is returned).
 pub fn clear_cache() -> mlx::Result<()> {
-    kept().trim(0);
+    let mut kept = kept();
+    kept.trim(0);
+    kept.cleared += 1;
+    drop(kept);
     memory::clear_cache()
+}
+
+/// How many times the cache was cleared: what `keep_unless_cleared` checks.
+pub fn cleared() -> u64 {
+    kept().cleared
+}
+
+/// `keep`, unless the cache was cleared since `cleared()` returned `since`:
+/// for items made in the background, so that nothing made before a
+/// `clear_cache` arrives after it.
+pub fn keep_unless_cleared<T: Any + Send>(since: u64, len: usize, item: T) {
+    let room = budget().cache_limit().saturating_sub(memory::cache());
+    let mut kept = kept();
+    if len > room || kept.cleared != since {
+        return;
+    }
+    kept.items.push((len, Box::new(item)));
+    kept.bytes += len;
+    kept.trim(room);
 }
 
 /// Keeps `item`, which holds `len` bytes of freed memory outside MLX's
@@ -241,6 +263,7 @@ pub fn take_kept_where<T: Any + Send>(which: impl Fn(&T) -> bool) -> Option<(usi
 struct Shelf {
     items: Vec<(usize, Box<dyn Any + Send>)>,
     bytes: usize,
+    cleared: u64,
 }
 
 impl Shelf {

@@ -16,6 +16,16 @@ defmodule Moat.SealedReadbackTest do
     worker |> os_pid() |> Reliability.open_fds() |> Enum.count(fn {_, target} -> target =~ "moat-readback" end)
   end
 
+  # Spare readback files: made in the background, not sealed yet, waiting
+  # for the next readback of their size.
+  defp spare_files(worker) do
+    worker |> os_pid() |> Reliability.open_fds() |> Enum.count(fn {_, target} -> target =~ "moat-spare" end)
+  end
+
+  defp spare_mappings do
+    "/proc/self/maps" |> File.read!() |> String.split("\n") |> Enum.count(&(&1 =~ "moat-spare"))
+  end
+
   # The VM's mappings of sealed readback files (a binary over one is not
   # memory of the VM's own allocators).
   defp mapped_files do
@@ -59,6 +69,52 @@ defmodule Moat.SealedReadbackTest do
     Moat.memory_info(w)
     Moat.clear_cache(w)
     assert readback_files(w) == 0
+  end
+
+  test "readbacks of one size in a row take spare files: each its own bytes; a spare is cache" do
+    w = start_worker(:sealed_spares, shared_memory_threshold: 64 * 1024, log_level: :error)
+    n = 2 * @mib + 3
+
+    read_fresh = fn ->
+      data = bytes(n)
+      ref = Moat.from_binary(data, {n}, {:u, 8}, worker: w)
+      assert {:shared_memory, binary} = read_back(ref)
+      Moat.deallocate(ref)
+      assert binary == data
+      binary
+    end
+
+    # One readback of a size gets no spare; a second in a row gets one,
+    # which the next readback of that size is written into.
+    read_fresh.()
+    assert spare_files(w) == 0
+    read_fresh.()
+    eventually(fn -> spare_files(w) == 1 end, 30_000)
+    assert Moat.memory_info(w).cache >= n
+    held = read_fresh.()
+    assert spare_mappings() == 1
+    # More in a row, spares or not: every one its own bytes, and what the
+    # VM holds from the spare unchanged by the spares that follow.
+    snapshot = :binary.copy(held)
+    for _ <- 1..8, do: read_fresh.()
+    assert held == snapshot
+
+    # A spare counts as cache: clear_cache drops it, and one still being
+    # made when the cache is cleared is not kept.
+    Moat.clear_cache(w)
+    eventually(fn -> spare_files(w) == 0 end, 30_000)
+    Moat.memory_info(w)
+    assert spare_files(w) == 0
+
+    # Without room in the cache no spare is kept, and readbacks of the size
+    # still come back right, through new files.
+    Moat.set_cache_limit(0, w)
+    for _ <- 1..4, do: read_fresh.()
+    eventually(fn -> spare_files(w) == 0 end, 30_000)
+    before = spare_mappings()
+    last = read_fresh.()
+    assert spare_mappings() == before
+    assert byte_size(last) == n
   end
 
   test "a mapped readback stays readable and correct after its worker is killed" do

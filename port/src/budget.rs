@@ -118,8 +118,11 @@ impl Budget {
 
     pub fn set_cache_limit(&self, bytes: usize) -> crate::mlx::Result<usize> {
         memory::set_cache_limit(bytes)?;
+        // The new limit first: a `keep` that takes the shelf's lock after
+        // this trim then reads it (one before has its item trimmed).
+        let previous = self.cache_limit.swap(bytes, Ordering::AcqRel);
         kept().trim(bytes);
-        Ok(self.cache_limit.swap(bytes, Ordering::AcqRel))
+        Ok(previous)
     }
 
     /// Checks that `need` more bytes fit under the limit, next to the live
@@ -194,8 +197,34 @@ pub fn cache() -> usize {
 /// Returns the cached memory to the system: what was `keep`-ed, and MLX's
 /// cache (its error, if any, is returned).
 pub fn clear_cache() -> mlx::Result<()> {
-    kept().trim(0);
+    let mut kept = kept();
+    kept.trim(0);
+    kept.cleared += 1;
+    drop(kept);
     memory::clear_cache()
+}
+
+/// How many times the cache was cleared: what `keep_unless_cleared` checks.
+pub fn cleared() -> u64 {
+    kept().cleared
+}
+
+/// `keep`, unless the cache was cleared since `cleared()` returned `since`:
+/// for items made in the background, so that nothing made before a
+/// `clear_cache` arrives after it.
+pub fn keep_unless_cleared<T: Any + Send>(since: u64, len: usize, item: T) {
+    // MLX's cache is read outside the shelf's lock (MLX may free an adopted
+    // buffer, and so `keep`, under its own), the limit under it (see
+    // `set_cache_limit`).
+    let mlx_cache = memory::cache();
+    let mut kept = kept();
+    let room = budget().cache_limit().saturating_sub(mlx_cache);
+    if len > room || kept.cleared != since {
+        return;
+    }
+    kept.items.push((len, Box::new(item)));
+    kept.bytes += len;
+    kept.trim(room);
 }
 
 /// Keeps `item`, which holds `len` bytes of freed memory outside MLX's
@@ -203,11 +232,12 @@ pub fn clear_cache() -> mlx::Result<()> {
 /// and is dropped when it does not fit within the cache limit next to MLX's
 /// cache, by `clear_cache`, or to make room for newer ones.
 pub fn keep<T: Any + Send>(len: usize, item: T) {
-    let room = budget().cache_limit().saturating_sub(memory::cache());
+    let mlx_cache = memory::cache();
+    let mut kept = kept();
+    let room = budget().cache_limit().saturating_sub(mlx_cache);
     if len > room {
         return;
     }
-    let mut kept = kept();
     kept.items.push((len, Box::new(item)));
     kept.bytes += len;
     kept.trim(room);
@@ -241,6 +271,7 @@ pub fn take_kept_where<T: Any + Send>(which: impl Fn(&T) -> bool) -> Option<(usi
 struct Shelf {
     items: Vec<(usize, Box<dyn Any + Send>)>,
     bytes: usize,
+    cleared: u64,
 }
 
 impl Shelf {

@@ -33,7 +33,7 @@ use std::fs::File;
 use std::io::Read;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::MetadataExt;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
 /// Memory files kept open at most (by live tensors, sealed readback copies
@@ -167,25 +167,33 @@ pub struct Sealed {
 }
 
 impl Sealed {
-    /// A new memory file holding `bytes` (at least one), sealed.
+    /// A memory file holding `bytes` (at least one), sealed: a spare of
+    /// that size if one is ready (see `Spare`), else a new file.
     pub fn of(bytes: &[u8]) -> Result<Sealed, String> {
         use std::os::unix::fs::FileExt;
-        let file = sys::memory_file(c"moat-readback").map_err(|e| format!("cannot create a sealed file: {e}"))?;
-        // One copy, by write(2): the kernel fills fresh pages without
-        // zeroing them first, as a fault through a mapping would.
-        file.write_all_at(bytes, 0)
-            .map_err(|e| format!("cannot fill a sealed file of {} bytes: {e}", bytes.len()))?;
+        let len = bytes.len();
+        let file = match budget::take_kept::<Spare>(len) {
+            Some(Spare(file)) => file,
+            None => {
+                Kept::new(sys::memory_file(c"moat-readback").map_err(|e| format!("cannot create a sealed file: {e}"))?)
+            }
+        };
+        // One copy, by write(2): the kernel fills a new file's pages
+        // without zeroing them first, as a fault through a mapping would,
+        // and a spare's pages are in place already. (Two threads writing
+        // halves gain nothing: writes to one file take its inode's lock.)
+        file.0
+            .write_all_at(bytes, 0)
+            .map_err(|e| format!("cannot fill a sealed file of {len} bytes: {e}"))?;
         #[cfg(feature = "fault-injection")]
         let seal = !crate::fault::leave_unsealed();
         #[cfg(not(feature = "fault-injection"))]
         let seal = true;
         if seal {
-            sys::seal_contents(&file).map_err(|e| format!("cannot seal a readback file: {e}"))?;
+            sys::seal_contents(&file.0).map_err(|e| format!("cannot seal a readback file: {e}"))?;
         }
-        Ok(Sealed {
-            file: Kept::new(file),
-            len: bytes.len(),
-        })
+        Spare::after_readback(len);
+        Ok(Sealed { file, len })
     }
 
     /// Whether another sealed copy may be kept as cache: memory files kept
@@ -215,6 +223,54 @@ impl Sealed {
             ("inode", Term::int(inode)),
             ("path", Term::Binary(path.into_bytes())),
         ])
+    }
+}
+
+/// A memory file with its pages in place, not sealed yet, made in the
+/// background for the next readback of a size read back twice in a row:
+/// most of a copy into a new file is the kernel allocating and clearing its
+/// pages (docs/latency.md: 24 ms of 64 MiB, against 10 ms into a spare), and
+/// for a spare that happens before the readback is asked for. It is kept as
+/// cache (`budget::keep`, gone with `clear_cache`); sizes above
+/// `Spare::MAX_BYTES` get none.
+struct Spare(Kept);
+
+/// Whether a spare is being made (one at a time).
+static PREPARING: AtomicBool = AtomicBool::new(false);
+
+/// The size of the last sealed readback.
+static LAST_LEN: AtomicUsize = AtomicUsize::new(0);
+
+impl Spare {
+    const MAX_BYTES: usize = 256 << 20;
+
+    /// After a sealed readback of `len` bytes: starts making a spare of
+    /// that size if the readback before was of the same size (a one-off
+    /// size gets none), unless one is being made, it is too large, or it
+    /// does not fit the memory limit.
+    fn after_readback(len: usize) {
+        if LAST_LEN.swap(len, Ordering::AcqRel) != len
+            || len > Spare::MAX_BYTES
+            || budget().admit(len).is_err()
+            || PREPARING.swap(true, Ordering::AcqRel)
+        {
+            return;
+        }
+        let since = budget::cleared();
+        let made = std::thread::Builder::new().name("moat-spare".into()).spawn(move || {
+            // Yields the CPU to the session and the VM, which have the
+            // caller waiting; the spare is not needed before the next readback.
+            sys::lowest_priority();
+            let file = sys::memory_file(c"moat-spare").and_then(|file| sys::allocate(&file, len).map(|()| file));
+            match file {
+                Ok(file) => budget::keep_unless_cleared(since, len, Spare(Kept::new(file))),
+                Err(e) => log::debug!("no spare readback file of {len} bytes: {e}"),
+            }
+            PREPARING.store(false, Ordering::Release);
+        });
+        if made.is_err() {
+            PREPARING.store(false, Ordering::Release);
+        }
     }
 }
 

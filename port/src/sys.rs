@@ -70,6 +70,30 @@ pub fn seal_contents(file: &File) -> io::Result<()> {
     Ok(())
 }
 
+/// Gives a memory file `len` bytes with their pages in place (allocated and
+/// cleared now), so that writing them later only copies.
+pub fn allocate(file: &File, len: usize) -> io::Result<()> {
+    let len = libc::off_t::try_from(len).map_err(|_| io::ErrorKind::InvalidInput)?;
+    // SAFETY: fallocate takes a descriptor and two offsets; mode 0 only
+    // allocates (and extends the file to `len`).
+    if unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, len) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Gives the calling thread the lowest priority (nice 19), for work
+/// nobody waits for. Best effort: a thread left at its priority only runs
+/// sooner.
+pub fn lowest_priority() {
+    // SAFETY: gettid takes nothing; setpriority with PRIO_PROCESS and a
+    // thread id changes that thread's nice value only (Linux).
+    unsafe {
+        let tid = libc::gettid();
+        libc::setpriority(libc::PRIO_PROCESS, tid as libc::id_t, 19);
+    }
+}
+
 /// `len` bytes of a file, mapped shared and writable, preceded by at least
 /// `room` writable bytes of private memory (MLX's allocator keeps a header
 /// just before a buffer's data). Unmapped on drop.

@@ -16,6 +16,16 @@ defmodule Moat.SealedReadbackTest do
     worker |> os_pid() |> Reliability.open_fds() |> Enum.count(fn {_, target} -> target =~ "moat-readback" end)
   end
 
+  # Spare readback files: made in the background, not sealed yet, waiting
+  # for the next readback of their size.
+  defp spare_files(worker) do
+    worker |> os_pid() |> Reliability.open_fds() |> Enum.count(fn {_, target} -> target =~ "moat-spare" end)
+  end
+
+  defp spare_mappings do
+    "/proc/self/maps" |> File.read!() |> String.split("\n") |> Enum.count(&(&1 =~ "moat-spare"))
+  end
+
   # The VM's mappings of sealed readback files (a binary over one is not
   # memory of the VM's own allocators).
   defp mapped_files do
@@ -59,6 +69,52 @@ defmodule Moat.SealedReadbackTest do
     Moat.memory_info(w)
     Moat.clear_cache(w)
     assert readback_files(w) == 0
+  end
+
+  test "readbacks of one size in a row take spare files: each its own bytes; a spare is cache" do
+    w = start_worker(:sealed_spares, shared_memory_threshold: 64 * 1024, log_level: :error)
+    n = 2 * @mib + 3
+
+    read_fresh = fn ->
+      data = bytes(n)
+      ref = Moat.from_binary(data, {n}, {:u, 8}, worker: w)
+      assert {:shared_memory, binary} = read_back(ref)
+      Moat.deallocate(ref)
+      assert binary == data
+      binary
+    end
+
+    # A readback from a spare file: the VM maps one more spare.
+    from_spare? = fn ->
+      before = spare_mappings()
+      binary = read_fresh.()
+      {spare_mappings() > before, binary}
+    end
+
+    # One readback of a size gets no spare; from the second in a row on, a
+    # spare is made in the background, and a later readback is written
+    # into it.
+    read_fresh.()
+    assert spare_files(w) == 0
+    held = eventually(fn -> with {true, binary} <- from_spare?.(), do: binary, else: (_ -> false) end, 30_000)
+    assert Moat.memory_info(w).cache >= n
+    # More in a row, spares or not: every one its own bytes, and what the
+    # VM holds from the spare unchanged by the spares that follow.
+    snapshot = :binary.copy(held)
+    for _ <- 1..8, do: read_fresh.()
+    assert held == snapshot
+
+    # A spare counts as cache: clear_cache drops it, and one being made
+    # when the cache is cleared is not kept, so the next readback of the
+    # size is not written into a spare.
+    Moat.clear_cache(w)
+    assert {false, _} = from_spare?.()
+
+    # Without room in the cache no spare is kept, and readbacks of the size
+    # still come back right, through new files.
+    Moat.set_cache_limit(0, w)
+    for _ <- 1..6, do: assert({false, _} = from_spare?.())
+    assert held == snapshot
   end
 
   test "a mapped readback stays readable and correct after its worker is killed" do

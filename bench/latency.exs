@@ -85,45 +85,11 @@ row(["the same add computed by Nx.BinaryBackend", fmt(bin_op), "1×"])
 # The default worker (shared memory from 1 MiB: a sealed file mapped as a
 # binary, kept for the tensor's next readback) and a pipe-only one, rep by
 # rep, beside a plain copy of a binary made in the VM.
-bytes = 64 * 1024 * 1024
 reps = 7
 {:ok, _} = Moat.Worker.start_link(name: :latency_pipe, shared_memory: false)
 workers = [{"default (shared memory)", Moat.Worker}, {"pipe only", :latency_pipe}]
-data = :binary.copy(<<1, 2, 3, 4, 5, 6, 7, 8>>, div(bytes, 8))
-held = for {_, w} <- workers, into: %{}, do: {w, Moat.from_binary(data, {div(bytes, 4)}, {:f, 32}, worker: w)}
-Enum.each(held, fn {_, ref} -> :ok = Moat.eval(ref) end)
-
-# A tensor read back for the first time (the worker's one copy into a
-# sealed file, or the pin's read), made and evaluated outside the timing.
-first_readback = fn w ->
-  fresh = Moat.from_binary(data, {div(bytes, 4)}, {:f, 32}, worker: w)
-  :ok = Moat.eval(fresh)
-  us = time_us(fn -> ^bytes = byte_size(Moat.to_binary(fresh)) end)
-  Moat.deallocate(fresh)
-  us
-end
-
-measure = fn
-  {:first_readback, w} -> first_readback.(w)
-  {:readback, w} -> time_us(fn -> ^bytes = byte_size(Moat.to_binary(held[w])) end)
-  {:readback_copy, w} -> time_us(fn -> ^bytes = byte_size(:binary.copy(Moat.to_binary(held[w]))) end)
-  :vm_copy -> time_us(fn -> ^bytes = byte_size(:binary.copy(data)) end)
-  {:upload, w} -> time_us(fn -> :ok = Moat.eval(Moat.from_binary(data, {bytes}, {:u, 8}, worker: w)) end)
-end
-
-cases =
-  [:vm_copy] ++
-    for(kind <- [:first_readback, :readback, :readback_copy, :upload], {_, w} <- workers, do: {kind, w})
-
-big =
-  for _ <- 1..reps, c <- cases, reduce: %{} do
-    acc ->
-      us = measure.(c)
-      :erlang.garbage_collect()
-      Map.update(acc, c, [us], &[us | &1])
-  end
-
-gbps = fn c -> bytes / (median(big[c]) * 1000) end
+big = Bench.Transfers.measure(workers, reps)
+gbps = &Map.fetch!(big, &1)
 vm_copy = gbps.(:vm_copy)
 
 IO.puts("\n### 64 MiB (GB/s, 10⁹ bytes/s; #{reps} reps)\n")

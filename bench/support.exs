@@ -33,6 +33,55 @@ end
 
 # The compiler issue's 2-layer MLP (32×784→256→10, relu, softmax), for
 # bench/compiler.exs, bench/fuse_default.exs and bench/gpu.exs.
+defmodule Bench.Transfers do
+  @moduledoc false
+  import Bench
+
+  @bytes 64 * 1024 * 1024
+
+  # The 64 MiB rows (docs/latency.md), rep by rep over `workers` (`{label,
+  # worker}`): a plain `:binary.copy` in the VM, a tensor's first readback
+  # (made and evaluated outside the timing), a repeated one, a repeated one
+  # with every byte read (copied), an upload. Returns GB/s by case
+  # (`:vm_copy` or `{kind, worker}`).
+  def measure(workers, reps) do
+    bytes = @bytes
+    data = :binary.copy(<<1, 2, 3, 4, 5, 6, 7, 8>>, div(bytes, 8))
+    held = for {_, w} <- workers, into: %{}, do: {w, Moat.from_binary(data, {div(bytes, 4)}, {:f, 32}, worker: w)}
+    Enum.each(held, fn {_, ref} -> :ok = Moat.eval(ref) end)
+
+    first_readback = fn w ->
+      fresh = Moat.from_binary(data, {div(bytes, 4)}, {:f, 32}, worker: w)
+      :ok = Moat.eval(fresh)
+      us = time_us(fn -> ^bytes = byte_size(Moat.to_binary(fresh)) end)
+      Moat.deallocate(fresh)
+      us
+    end
+
+    measure = fn
+      {:first_readback, w} -> first_readback.(w)
+      {:readback, w} -> time_us(fn -> ^bytes = byte_size(Moat.to_binary(held[w])) end)
+      {:readback_copy, w} -> time_us(fn -> ^bytes = byte_size(:binary.copy(Moat.to_binary(held[w]))) end)
+      :vm_copy -> time_us(fn -> ^bytes = byte_size(:binary.copy(data)) end)
+      {:upload, w} -> time_us(fn -> :ok = Moat.eval(Moat.from_binary(data, {bytes}, {:u, 8}, worker: w)) end)
+    end
+
+    cases =
+      [:vm_copy] ++
+        for(kind <- [:first_readback, :readback, :readback_copy, :upload], {_, w} <- workers, do: {kind, w})
+
+    times =
+      for _ <- 1..reps, c <- cases, reduce: %{} do
+        acc ->
+          us = measure.(c)
+          :erlang.garbage_collect()
+          Map.update(acc, c, [us], &[us | &1])
+      end
+
+    Map.new(times, fn {c, us} -> {c, bytes / (median(us) * 1000)} end)
+  end
+end
+
 defmodule Bench.MLP do
   import Nx.Defn
 

@@ -65,10 +65,15 @@ pub fn read_loop(frames: impl FrameSource, config: ReaderConfig, tx: Sender<Inco
 
 /// Marks a message handed to the session thread by another (see `spin`).
 pub fn hand_over(msg: &Incoming) {
+    stamp_read(msg);
+    crate::spin::handed_over();
+}
+
+/// The trace's stamp of a request read and decoded (see `trace`).
+pub fn stamp_read(msg: &Incoming) {
     if let Incoming::Call { call, .. } = msg {
         crate::trace::stamp("R", call.seq);
     }
-    crate::spin::handed_over();
 }
 
 impl<S> Reader<S> {

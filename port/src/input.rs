@@ -177,9 +177,7 @@ impl<S: FrameSource + Ready + Send> Inbound for Input<S> {
         }
         match reader.read() {
             Ok(Some(msg)) => {
-                if let Incoming::Call { call, .. } = &msg {
-                    crate::trace::stamp("R", call.seq);
-                }
+                incoming::stamp_read(&msg);
                 msg
             }
             Ok(None) => end(Ok(())),

@@ -128,7 +128,8 @@ impl Session {
     /// Serves until the reader hangs up.
     pub fn run(mut self, rx: Receiver<Incoming>) {
         self.inbox = Some(rx.clone());
-        let mut spinner = Spinner::default();
+        // Without an input of its own the session spins on its channel.
+        let mut spinner = self.input.is_none().then(Spinner::default);
         let input = self.input.clone();
         loop {
             let next = match self.deferred.pop_front() {
@@ -145,6 +146,7 @@ impl Session {
                         // that comes during the spin saves it (the next one is
                         // at most `ACK_EVERY` requests away), and the reply is
                         // then the only frame a small call costs.
+                        let spinner = spinner.get_or_insert_with(Spinner::default);
                         let next = spinner.wait(
                             || match rx.try_recv() {
                                 Err(TryRecvError::Empty) => None,

@@ -7,50 +7,84 @@ defmodule Moat.Peer do
 
   ## In the test VM
 
+  # One process keeps distribution up for every test module that asked for
+  # it, counting them: a module's `stop_distribution/1` may run after the
+  # next module's `ensure_distributed/0` (ExUnit runs a module's setup_all
+  # `on_exit` callbacks apart from the next module's setup), and must not
+  # stop distribution under it.
+  @keeper :moat_test_distribution
+
   @doc """
-  Makes this VM a distributed node (starting epmd if need be) until
-  `stop_distribution/1`; returns what to give it, or nil where the VM was one
-  already.
+  Makes this VM a distributed node (starting epmd if need be) until every
+  caller has called `stop_distribution/1`; returns what to give it, or nil
+  where the VM was one already.
   """
   def ensure_distributed do
-    if not Node.alive?() do
-      # epmd -daemon is a no-op where one runs already.
-      {_, 0} = System.cmd(epmd(), ["-daemon"])
-      caller = self()
+    case Process.whereis(@keeper) do
+      nil -> if Node.alive?(), do: nil, else: start_keeper()
+      keeper -> ask(keeper, :use) || ensure_distributed()
+    end
+  end
 
-      # Distribution stops when the process that started it exits: a process
-      # of its own keeps it up for the tests.
-      keeper =
-        spawn(fn ->
-          {:ok, _} = :net_kernel.start(:"moat_test_#{System.pid()}@127.0.0.1", %{name_domain: :longnames})
-          send(caller, {:distributed, self()})
+  @doc "Ends what `ensure_distributed/0` started (the last caller's stops distribution)."
+  def stop_distribution(nil), do: :ok
+  def stop_distribution(keeper), do: ask(keeper, :stop) && :ok
 
-          receive do
-            :stop -> :net_kernel.stop()
-          end
-        end)
+  # The keeper's answer, or nil when it exited first (it was stopping).
+  defp ask(keeper, what) do
+    ref = Process.monitor(keeper)
+    send(keeper, {what, self(), ref})
 
-      receive do
-        {:distributed, ^keeper} -> keeper
-      end
+    receive do
+      {^ref, :ok} ->
+        Process.demonitor(ref, [:flush])
+        keeper
+
+      {:DOWN, ^ref, _, _, _} ->
+        nil
+    end
+  end
+
+  defp start_keeper do
+    # epmd -daemon is a no-op where one runs already.
+    {_, 0} = System.cmd(epmd(), ["-daemon"])
+    caller = self()
+
+    # Distribution stops when the process that started it exits: a process
+    # of its own keeps it up for the tests.
+    keeper =
+      spawn(fn ->
+        Process.register(self(), @keeper)
+        {:ok, _} = :net_kernel.start(:"moat_test_#{System.pid()}@127.0.0.1", %{name_domain: :longnames})
+        send(caller, {:distributed, self()})
+        keep(1)
+      end)
+
+    receive do
+      {:distributed, ^keeper} -> keeper
+    end
+  end
+
+  defp keep(users) do
+    receive do
+      {:use, from, ref} ->
+        send(from, {ref, :ok})
+        keep(users + 1)
+
+      {:stop, from, ref} when users == 1 ->
+        # Stopped before the answer, so the caller finds the VM as it was.
+        :net_kernel.stop()
+        send(from, {ref, :ok})
+
+      {:stop, from, ref} ->
+        send(from, {ref, :ok})
+        keep(users - 1)
     end
   end
 
   defp epmd do
     erts = Path.join([to_string(:code.root_dir()), "erts-#{:erlang.system_info(:version)}", "bin", "epmd"])
     System.find_executable("epmd") || erts
-  end
-
-  @doc "Stops what `ensure_distributed/0` started."
-  def stop_distribution(nil), do: :ok
-
-  def stop_distribution(keeper) do
-    ref = Process.monitor(keeper)
-    send(keeper, :stop)
-
-    receive do
-      {:DOWN, ^ref, _, _, _} -> :ok
-    end
   end
 
   @doc """

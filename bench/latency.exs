@@ -89,34 +89,7 @@ reps = 7
 {:ok, _} = Moat.Worker.start_link(name: :latency_pipe, shared_memory: false)
 workers = [{"default (shared memory)", Moat.Worker}, {"pipe only", :latency_pipe}]
 big = Bench.Transfers.measure(workers, reps)
-gbps = &Map.fetch!(big, &1)
-vm_copy = gbps.(:vm_copy)
 
 IO.puts("\n### 64 MiB (GB/s, 10⁹ bytes/s; #{reps} reps)\n")
-
-row([
-  "",
-  "first readback of a tensor",
-  "readback (`Moat.to_binary`)",
-  "readback + `:binary.copy`",
-  "vs a plain `:binary.copy`",
-  "upload (+ eval)"
-])
-
-row(["---", "---:", "---:", "---:", "---:", "---:"])
-
-for {label, w} <- workers do
-  copied = gbps.({:readback_copy, w})
-
-  row([
-    label,
-    fmt(gbps.({:first_readback, w})),
-    fmt(gbps.({:readback, w})),
-    fmt(copied),
-    ratio(copied, vm_copy),
-    fmt(gbps.({:upload, w}))
-  ])
-end
-
-row(["`:binary.copy` of a 64 MiB binary made in the VM", "–", "–", fmt(vm_copy), "1×", "–"])
+Bench.Transfers.table(workers, big)
 GenServer.stop(:latency_pipe)

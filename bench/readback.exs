@@ -7,8 +7,6 @@
 #
 #   MOAT_WORKER_B=/path/to/other/moat_port mix run -r bench/support.exs bench/readback.exs
 
-import Bench
-
 reps = String.to_integer(System.get_env("REPS", "11"))
 
 workers =
@@ -22,24 +20,6 @@ workers =
   end
 
 big = Bench.Transfers.measure(workers, reps)
-gbps = &Map.fetch!(big, &1)
-vm_copy = gbps.(:vm_copy)
 
 IO.puts("### 64 MiB (GB/s, medians of #{reps} reps)\n")
-row(["", "first readback", "readback", "readback + copy", "vs a plain copy", "upload"])
-row(["---", "---:", "---:", "---:", "---:", "---:"])
-
-for {label, w} <- workers do
-  copied = gbps.({:readback_copy, w})
-
-  row([
-    label,
-    fmt(gbps.({:first_readback, w})),
-    fmt(gbps.({:readback, w})),
-    fmt(copied),
-    ratio(copied, vm_copy),
-    fmt(gbps.({:upload, w}))
-  ])
-end
-
-row(["plain `:binary.copy` of 64 MiB", "–", "–", fmt(vm_copy), "1×", "–"])
+Bench.Transfers.table(workers, big)

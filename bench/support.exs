@@ -80,6 +80,30 @@ defmodule Bench.Transfers do
 
     Map.new(times, fn {c, us} -> {c, bytes / (median(us) * 1000)} end)
   end
+
+  # The table of `measure/2`'s results, a row per worker (the one README carries).
+  def table(workers, gbps) do
+    vm_copy = gbps[:vm_copy]
+
+    row([
+      "",
+      "first readback of a tensor",
+      "readback (`Moat.to_binary`)",
+      "readback + `:binary.copy`",
+      "vs a plain `:binary.copy`",
+      "upload (+ eval)"
+    ])
+
+    row(["---", "---:", "---:", "---:", "---:", "---:"])
+
+    for {label, w} <- workers do
+      copied = gbps[{:readback_copy, w}]
+      cells = [gbps[{:first_readback, w}], gbps[{:readback, w}], copied]
+      row([label | Enum.map(cells, &fmt/1)] ++ [ratio(copied, vm_copy), fmt(gbps[{:upload, w}])])
+    end
+
+    row(["`:binary.copy` of a 64 MiB binary made in the VM", "–", "–", fmt(vm_copy), "1×", "–"])
+  end
 end
 
 defmodule Bench.MLP do

@@ -82,14 +82,23 @@ row(["the same add computed by Nx.BinaryBackend", fmt(bin_op), "1×"])
 
 ## 64 MiB
 
-# The default worker (shared memory from 1 MiB: a sealed file mapped as a
-# binary, kept for the tensor's next readback) and a pipe-only one, rep by
-# rep, beside a plain copy of a binary made in the VM.
+# The default worker (shared memory from 1 MiB: readbacks copied out of the
+# worker's memory into the VM's), one that reads back through sealed files
+# (mapped as binaries, kept for the tensor's next readback) and a pipe-only
+# one, rep by rep, beside a plain copy of a binary made in the VM.
 reps = 7
+{:ok, _} = Moat.Worker.start_link(name: :latency_sealed, shared_memory: :sealed_files)
 {:ok, _} = Moat.Worker.start_link(name: :latency_pipe, shared_memory: false)
-workers = [{"default (shared memory)", Moat.Worker}, {"pipe only", :latency_pipe}]
+
+workers = [
+  {"default (shared memory)", Moat.Worker},
+  {"`shared_memory: :sealed_files`", :latency_sealed},
+  {"pipe only", :latency_pipe}
+]
+
 big = Bench.Transfers.measure(workers, reps)
 
 IO.puts("\n### 64 MiB (GB/s, 10⁹ bytes/s; #{reps} reps)\n")
 Bench.Transfers.table(workers, big)
 GenServer.stop(:latency_pipe)
+GenServer.stop(:latency_sealed)

@@ -1,7 +1,8 @@
 # The 64 MiB rows of bench/latency.exs alone, for large-readback work
 # (docs/latency.md): a plain `:binary.copy` in the VM, a tensor's first
 # readback, a repeated one, a repeated one with every byte read (copied),
-# and an upload, all with shared memory on. With MOAT_WORKER_B set, a second
+# and an upload, all with shared memory on, beside a worker that reads back
+# through sealed files (`shared_memory: :sealed_files`). With MOAT_WORKER_B set, a second
 # worker runs that executable beside the default one, rep by rep, so two
 # worker builds compare within one run:
 #
@@ -12,7 +13,8 @@ reps = String.to_integer(System.get_env("REPS", "11"))
 workers =
   case System.get_env("MOAT_WORKER_B") do
     nil ->
-      [{"this worker", Moat.Worker}]
+      {:ok, _} = Moat.Worker.start_link(name: :readback_sealed, shared_memory: :sealed_files)
+      [{"this worker", Moat.Worker}, {"`shared_memory: :sealed_files`", :readback_sealed}]
 
     path ->
       {:ok, _} = Moat.Worker.start_link(name: :readback_b, worker_path: path)

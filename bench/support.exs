@@ -39,16 +39,20 @@ defmodule Bench.Transfers do
 
   @bytes 64 * 1024 * 1024
 
-  # The 64 MiB rows (docs/latency.md), rep by rep over `workers` (`{label,
-  # worker}`): a plain `:binary.copy` in the VM, a tensor's first readback
-  # (made and evaluated outside the timing), a repeated one, a repeated one
-  # with every byte read (copied), an upload. Returns GB/s by case
-  # (`:vm_copy` or `{kind, worker}`).
+  # The 64 MiB rows (docs/latency.md), one pass per worker of `workers`
+  # (`{label, worker}`), rep by rep within it: a plain `:binary.copy` in the
+  # VM, a tensor's first readback (made and evaluated outside the timing: an
+  # uploaded tensor, whose bytes the worker holds in the upload's memory
+  # file, and a computed one, in MLX's own buffer, alone and with every byte
+  # then read: a `:binary.copy`), a repeated one, a repeated one with every
+  # byte read, an upload. A pass per worker,
+  # since what one worker leaves running (a sealed-file worker's spare files,
+  # made in the background) would slow the other's rows. Returns GB/s by
+  # case (`{kind, worker}`; `{:vm_copy, worker}` is the plain copy measured
+  # in that worker's pass, `:vm_copy` over all of them).
   def measure(workers, reps) do
     bytes = @bytes
     data = :binary.copy(<<1, 2, 3, 4, 5, 6, 7, 8>>, div(bytes, 8))
-    held = for {_, w} <- workers, into: %{}, do: {w, Moat.from_binary(data, {div(bytes, 4)}, {:f, 32}, worker: w)}
-    Enum.each(held, fn {_, ref} -> :ok = Moat.eval(ref) end)
 
     first_readback = fn w ->
       fresh = Moat.from_binary(data, {div(bytes, 4)}, {:f, 32}, worker: w)
@@ -58,27 +62,48 @@ defmodule Bench.Transfers do
       us
     end
 
-    measure = fn
-      {:first_readback, w} -> first_readback.(w)
-      {:readback, w} -> time_us(fn -> ^bytes = byte_size(Moat.to_binary(held[w])) end)
-      {:readback_copy, w} -> time_us(fn -> ^bytes = byte_size(:binary.copy(Moat.to_binary(held[w]))) end)
-      :vm_copy -> time_us(fn -> ^bytes = byte_size(:binary.copy(data)) end)
-      {:upload, w} -> time_us(fn -> :ok = Moat.eval(Moat.from_binary(data, {bytes}, {:u, 8}, worker: w)) end)
+    first_computed = fn w, read ->
+      x = Nx.from_binary(data, :f32, backend: {Moat.Backend, worker: w})
+      %Nx.Tensor{data: %Moat.Backend{ref: ref}} = y = Nx.multiply(x, 2.0)
+      :ok = Moat.eval(ref)
+      us = time_us(fn -> ^bytes = byte_size(read.(Moat.to_binary(ref))) end)
+      Nx.backend_deallocate(x)
+      Nx.backend_deallocate(y)
+      us
     end
 
-    cases =
-      [:vm_copy] ++
-        for(kind <- [:first_readback, :readback, :readback_copy, :upload], {_, w} <- workers, do: {kind, w})
+    pass = fn w ->
+      held = Moat.from_binary(data, {div(bytes, 4)}, {:f, 32}, worker: w)
+      :ok = Moat.eval(held)
 
-    times =
-      for _ <- 1..reps, c <- cases, reduce: %{} do
-        acc ->
-          us = measure.(c)
-          :erlang.garbage_collect()
-          Map.update(acc, c, [us], &[us | &1])
+      measure = fn
+        :vm_copy -> time_us(fn -> ^bytes = byte_size(:binary.copy(data)) end)
+        :first_readback -> first_readback.(w)
+        :first_computed -> first_computed.(w, & &1)
+        :first_computed_copy -> first_computed.(w, &:binary.copy/1)
+        :readback -> time_us(fn -> ^bytes = byte_size(Moat.to_binary(held)) end)
+        :readback_copy -> time_us(fn -> ^bytes = byte_size(:binary.copy(Moat.to_binary(held))) end)
+        :upload -> time_us(fn -> :ok = Moat.eval(Moat.from_binary(data, {bytes}, {:u, 8}, worker: w)) end)
       end
 
-    Map.new(times, fn {c, us} -> {c, bytes / (median(us) * 1000)} end)
+      kinds = [:vm_copy, :first_readback, :first_computed, :first_computed_copy, :readback, :readback_copy, :upload]
+
+      times =
+        for _ <- 1..reps, kind <- kinds, reduce: %{} do
+          acc ->
+            us = measure.(kind)
+            :erlang.garbage_collect()
+            Map.update(acc, {kind, w}, [us], &[us | &1])
+        end
+
+      Moat.deallocate(held)
+      times
+    end
+
+    times = workers |> Enum.map(fn {_, w} -> pass.(w) end) |> Enum.reduce(&Map.merge/2)
+    all_copies = for({{:vm_copy, _}, us} <- times, do: us) |> Enum.concat()
+    gbps = fn us -> bytes / (median(us) * 1000) end
+    times |> Map.new(fn {c, us} -> {c, gbps.(us)} end) |> Map.put(:vm_copy, gbps.(all_copies))
   end
 
   # The table of `measure/2`'s results, a row per worker (the one README carries).
@@ -87,22 +112,25 @@ defmodule Bench.Transfers do
 
     row([
       "",
-      "first readback of a tensor",
-      "readback (`Moat.to_binary`)",
+      "first readback: uploaded",
+      "first readback: computed",
+      "first readback + `:binary.copy`",
+      "readback again (`Moat.to_binary`)",
       "readback + `:binary.copy`",
       "vs a plain `:binary.copy`",
       "upload (+ eval)"
     ])
 
-    row(["---", "---:", "---:", "---:", "---:", "---:"])
+    row(["---", "---:", "---:", "---:", "---:", "---:", "---:", "---:"])
 
     for {label, w} <- workers do
       copied = gbps[{:readback_copy, w}]
-      cells = [gbps[{:first_readback, w}], gbps[{:readback, w}], copied]
-      row([label | Enum.map(cells, &fmt/1)] ++ [ratio(copied, vm_copy), fmt(gbps[{:upload, w}])])
+      firsts = [gbps[{:first_readback, w}], gbps[{:first_computed, w}], gbps[{:first_computed_copy, w}]]
+      cells = firsts ++ [gbps[{:readback, w}], copied]
+      row([label | Enum.map(cells, &fmt/1)] ++ [ratio(copied, gbps[{:vm_copy, w}]), fmt(gbps[{:upload, w}])])
     end
 
-    row(["`:binary.copy` of a 64 MiB binary made in the VM", "–", "–", fmt(vm_copy), "1×", "–"])
+    row(["`:binary.copy` of a 64 MiB binary made in the VM", "–", "–", "–", "–", fmt(vm_copy), "1×", "–"])
   end
 end
 

@@ -10,17 +10,22 @@
  * No MLX here, and nothing that can fail in a way that harms the VM: the
  * destructor only appends to an array and sends an atom in a tuple.
  *
- * It also maps a worker's sealed readback files (protocol.md §6, "Shared
- * memory") as resource binaries: map_sealed/3 below.
+ * It also makes the binaries of large readbacks (protocol.md §6, "Shared
+ * memory"): read_memory/5 copies a pinned tensor out of the worker's memory
+ * into memory of this VM, and map_sealed/3 maps a worker's sealed readback
+ * file. Neither leaves the VM depending on the worker's pages.
  */
 #define _GNU_SOURCE
 #include <erl_nif.h>
 
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
+#include <stdint.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 /* The ids one releaser has not taken yet. Queues live as long as the
@@ -45,6 +50,7 @@ typedef struct {
 
 static ErlNifResourceType* TOKEN;
 static ErlNifResourceType* MAPPING;
+static ErlNifResourceType* BUFFER;
 static ERL_NIF_TERM atom_moat_released;
 static ERL_NIF_TERM atom_true;
 static ERL_NIF_TERM atom_false;
@@ -194,6 +200,8 @@ static ERL_NIF_TERM errno_error(ErlNifEnv* env, int e) {
     case EMFILE: return error(env, "emfile");
     case ENFILE: return error(env, "enfile");
     case EINVAL: return error(env, "einval");
+    case ESRCH: return error(env, "esrch");
+    case EFAULT: return error(env, "efault");
     default: return error(env, "system_error");
   }
 }
@@ -259,6 +267,186 @@ static ERL_NIF_TERM map_sealed(ErlNifEnv* env, int argc, const ERL_NIF_TERM argv
   return enif_make_tuple2(env, enif_make_atom(env, "ok"), bin);
 }
 
+/* Readback buffers: anonymous memory of this VM, in whole 2 MiB pages
+ * (transparent huge pages where the kernel gives them: one fault and one
+ * page-table entry per 2 MiB instead of 512, which is most of what a copy
+ * into fresh memory costs), alive while any binary made over one is.
+ *
+ * A buffer whose binaries are all gone waits in a small pool for the next
+ * readback of about its size, its pages still in place: a readback into it
+ * is a copy at memory speed, with no page to fault in or clear. The pool
+ * keeps at most POOL_SLOTS buffers and POOL_BYTES bytes, none for longer
+ * than POOL_SECONDS after it was freed (checked whenever the pool is
+ * used), and trim_pool/0 empties it. */
+#define HUGE_PAGE ((size_t)2 << 20)
+#define POOL_SLOTS 2
+#define POOL_BYTES ((size_t)256 << 20)
+#define POOL_SECONDS 10
+
+typedef struct {
+  void* data;
+  size_t cap;
+} buffer;
+
+typedef struct {
+  void* data;
+  size_t cap;
+  ErlNifTime freed;
+} pooled;
+
+static ErlNifMutex* pool_lock;
+static pooled pool[POOL_SLOTS];
+
+static size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
+
+/* cap bytes at a 2 MiB boundary (so that every 2 MiB of it can be a huge
+ * page), or NULL. */
+static void* map_buffer(size_t cap) {
+  size_t len = cap + HUGE_PAGE;
+  char* raw = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (raw == MAP_FAILED) return NULL;
+  char* start = (char*)round_up((size_t)raw, HUGE_PAGE);
+  if (start > raw) munmap(raw, (size_t)(start - raw));
+  size_t tail = (size_t)(raw + len - (start + cap));
+  if (tail > 0) munmap(start + cap, tail);
+  /* Advice only: without huge pages the buffer still works. */
+  (void)madvise(start, cap, MADV_HUGEPAGE);
+  return start;
+}
+
+/* Drops pooled buffers freed more than POOL_SECONDS ago (all with
+ * max_age 0). Call with pool_lock held. */
+static void pool_expire(ErlNifTime now, ErlNifTime max_age) {
+  for (int i = 0; i < POOL_SLOTS; i++) {
+    if (pool[i].data != NULL && now - pool[i].freed >= max_age) {
+      munmap(pool[i].data, pool[i].cap);
+      pool[i].data = NULL;
+    }
+  }
+}
+
+/* A pooled buffer for `bytes` bytes (at least that, at most twice that
+ * rounded up to 2 MiB), taken out of the pool; or a new one. */
+static void* take_buffer(size_t bytes, size_t* cap) {
+  size_t want = round_up(bytes, HUGE_PAGE);
+  void* data = NULL;
+  enif_mutex_lock(pool_lock);
+  pool_expire(enif_monotonic_time(ERL_NIF_SEC), POOL_SECONDS);
+  int best = -1;
+  for (int i = 0; i < POOL_SLOTS; i++) {
+    if (pool[i].data != NULL && pool[i].cap >= want && pool[i].cap <= 2 * want &&
+        (best < 0 || pool[i].cap < pool[best].cap)) {
+      best = i;
+    }
+  }
+  if (best >= 0) {
+    data = pool[best].data;
+    *cap = pool[best].cap;
+    pool[best].data = NULL;
+  }
+  enif_mutex_unlock(pool_lock);
+  if (data == NULL) {
+    *cap = want;
+    data = map_buffer(want);
+  }
+  return data;
+}
+
+/* Back to the pool, or unmapped where it does not fit. */
+static void give_buffer(void* data, size_t cap) {
+  enif_mutex_lock(pool_lock);
+  ErlNifTime now = enif_monotonic_time(ERL_NIF_SEC);
+  pool_expire(now, POOL_SECONDS);
+  size_t held = 0;
+  int slot = -1;
+  for (int i = 0; i < POOL_SLOTS; i++) {
+    if (pool[i].data != NULL) held += pool[i].cap;
+    else if (slot < 0) slot = i;
+  }
+  if (slot >= 0 && held + cap <= POOL_BYTES) {
+    pool[slot].data = data;
+    pool[slot].cap = cap;
+    pool[slot].freed = now;
+    data = NULL;
+  }
+  enif_mutex_unlock(pool_lock);
+  if (data != NULL) munmap(data, cap);
+}
+
+static void buffer_dtor(ErlNifEnv* env, void* obj) {
+  buffer* b = (buffer*)obj;
+  (void)env;
+  if (b->data != NULL) give_buffer(b->data, b->cap);
+}
+
+/* trim_pool() -> ok: unmaps every pooled buffer. */
+static ERL_NIF_TERM trim_pool(ErlNifEnv* env, int argc, const ERL_NIF_TERM argv[]) {
+  (void)argc;
+  (void)argv;
+  enif_mutex_lock(pool_lock);
+  pool_expire(enif_monotonic_time(ERL_NIF_SEC), 0);
+  enif_mutex_unlock(pool_lock);
+  return enif_make_atom(env, "ok");
+}
+
+#define PROBE_BYTES 16
+
+/* read_memory(OsPid, ProbeAddress, Nonce, Address, Bytes) -> {ok, Binary} | {error, Why}.
+ *
+ * Copies Bytes bytes at Address of process OsPid (the worker, which keeps
+ * them pinned until the client releases the pin) into a readback buffer,
+ * with one process_vm_readv that also reads the PROBE_BYTES at
+ * ProbeAddress: both come from one address space, so when the probe equals
+ * Nonce (what the worker announced in its hello), the bytes are the
+ * worker's, not those of another process that took a dead worker's pid.
+ * Anything short of every byte is an error, and the buffer goes back.
+ * Runs on a dirty scheduler: 64 MiB take milliseconds. */
+static ERL_NIF_TERM read_memory(ErlNifEnv* env, int argc, const ERL_NIF_TERM argv[]) {
+  int os_pid;
+  ErlNifUInt64 probe_at, at, bytes;
+  ErlNifBinary nonce;
+  (void)argc;
+  if (!enif_get_int(env, argv[0], &os_pid) || os_pid <= 0 || !enif_get_uint64(env, argv[1], &probe_at) ||
+      !enif_inspect_binary(env, argv[2], &nonce) || nonce.size != PROBE_BYTES ||
+      !enif_get_uint64(env, argv[3], &at) || !enif_get_uint64(env, argv[4], &bytes) ||
+      bytes > (ErlNifUInt64)SSIZE_MAX - PROBE_BYTES) {
+    return enif_make_badarg(env);
+  }
+  unsigned char probe[PROBE_BYTES];
+  size_t cap = 0;
+  void* data = bytes > 0 ? take_buffer((size_t)bytes, &cap) : NULL;
+  if (bytes > 0 && data == NULL) return error(env, "enomem");
+
+  struct iovec local[2] = {{probe, PROBE_BYTES}, {data, (size_t)bytes}};
+  struct iovec remote[2] = {{(void*)(uintptr_t)probe_at, PROBE_BYTES}, {(void*)(uintptr_t)at, (size_t)bytes}};
+  int n = bytes > 0 ? 2 : 1;
+  ssize_t got = process_vm_readv((pid_t)os_pid, local, n, remote, n, 0);
+  int read_errno = errno;
+  ERL_NIF_TERM refused = 0;
+  if (got < 0) refused = errno_error(env, read_errno);
+  else if (got < PROBE_BYTES || memcmp(probe, nonce.data, PROBE_BYTES) != 0) refused = error(env, "not_the_worker");
+  else if ((ErlNifUInt64)got != PROBE_BYTES + bytes) refused = error(env, "short_read");
+  if (refused) {
+    if (data != NULL) give_buffer(data, cap);
+    return refused;
+  }
+  if (data == NULL) {
+    ErlNifBinary empty;
+    if (!enif_alloc_binary(0, &empty)) return error(env, "enomem");
+    return enif_make_tuple2(env, enif_make_atom(env, "ok"), enif_make_binary(env, &empty));
+  }
+  buffer* b = enif_alloc_resource(BUFFER, sizeof(buffer));
+  if (b == NULL) {
+    give_buffer(data, cap);
+    return error(env, "enomem");
+  }
+  b->data = data;
+  b->cap = cap;
+  ERL_NIF_TERM bin = enif_make_resource_binary(env, b, data, (size_t)bytes);
+  enif_release_resource(b);
+  return enif_make_tuple2(env, enif_make_atom(env, "ok"), bin);
+}
+
 static ERL_NIF_TERM loaded(ErlNifEnv* env, int argc, const ERL_NIF_TERM argv[]) {
   (void)env;
   (void)argc;
@@ -271,6 +459,8 @@ static int open_token_type(ErlNifEnv* env, ErlNifResourceFlags flags) {
   if (TOKEN == NULL) return 1;
   MAPPING = enif_open_resource_type(env, NULL, "moat_mapping", mapping_dtor, flags, NULL);
   if (MAPPING == NULL) return 1;
+  BUFFER = enif_open_resource_type(env, NULL, "moat_buffer", buffer_dtor, flags, NULL);
+  if (BUFFER == NULL) return 1;
   atom_moat_released = enif_make_atom(env, "moat_released");
   atom_true = enif_make_atom(env, "true");
   atom_false = enif_make_atom(env, "false");
@@ -281,7 +471,8 @@ static int load(ErlNifEnv* env, void** priv, ERL_NIF_TERM info) {
   (void)priv;
   (void)info;
   queues_lock = enif_mutex_create("moat_release_queues");
-  if (queues_lock == NULL) return 1;
+  pool_lock = enif_mutex_create("moat_readback_pool");
+  if (queues_lock == NULL || pool_lock == NULL) return 1;
   return open_token_type(env, ERL_NIF_RT_CREATE);
 }
 
@@ -291,7 +482,8 @@ static int upgrade(ErlNifEnv* env, void** priv, void** old_priv, ERL_NIF_TERM in
   (void)old_priv;
   (void)info;
   if (queues_lock == NULL) queues_lock = enif_mutex_create("moat_release_queues");
-  if (queues_lock == NULL) return 1;
+  if (pool_lock == NULL) pool_lock = enif_mutex_create("moat_readback_pool");
+  if (queues_lock == NULL || pool_lock == NULL) return 1;
   return open_token_type(env, ERL_NIF_RT_CREATE | ERL_NIF_RT_TAKEOVER);
 }
 
@@ -302,6 +494,8 @@ static ErlNifFunc funcs[] = {
     {"loaded?", 0, loaded, 0},
     {"drain", 1, token_drain, 0},
     {"map_sealed", 3, map_sealed, 0},
+    {"read_memory", 5, read_memory, ERL_NIF_DIRTY_JOB_CPU_BOUND},
+    {"trim_pool", 0, trim_pool, 0},
 };
 
 ERL_NIF_INIT(Elixir.Moat.Finalizer, funcs, load, NULL, upgrade, NULL)

@@ -251,7 +251,17 @@ defmodule Moat.Doctor do
   end
 
   defp shared(%Client{shared: shared}),
-    do: finding("Shared memory", :ok, "on, for tensors of #{shared.threshold} bytes and more", nil)
+    do:
+      finding(
+        "Shared memory",
+        :ok,
+        "on, for tensors of #{shared.threshold} bytes and more; #{readbacks(shared.via)}",
+        nil
+      )
+
+  defp readbacks(:process_vm), do: "readbacks copied from the worker's memory (process_vm_readv)"
+  defp readbacks(:sealed), do: "readbacks mapped from sealed files"
+  defp readbacks(:proc_mem), do: "readbacks read from /proc/<pid>/mem (no finalizer NIF)"
 
   defp memory(name) do
     %{limit: limit} = Moat.memory_info(name)

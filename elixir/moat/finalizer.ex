@@ -91,6 +91,29 @@ defmodule Moat.Finalizer do
   def map_sealed(path, inode, bytes) when is_binary(path) and is_integer(inode) and is_integer(bytes),
     do: {:error, :persistent_term.get({__MODULE__, :no_nif}, :no_nif)}
 
+  @doc """
+  Copies `bytes` bytes at `address` of process `os_pid` (a worker, which
+  holds them pinned) into memory of this VM and returns them as a binary:
+  `{:ok, binary}`, or `{:error, why}` when the 16 bytes at
+  `probe_address` read in the same call are not `nonce` (`:not_the_worker`:
+  another process has the pid), fewer bytes could be read (`:short_read`),
+  or the kernel refuses (`:eperm`, `:esrch`, `:efault`, ...). One
+  `process_vm_readv`, on a dirty scheduler; the binary's memory is this
+  VM's and does not depend on the worker. Buffers whose binaries are gone
+  are kept a few seconds for the next readback of their size
+  (`trim_pool/0`). Without the NIF: `{:error, :no_nif}`.
+  """
+  @spec read_memory(pos_integer(), non_neg_integer(), binary(), non_neg_integer(), non_neg_integer()) ::
+          {:ok, binary()} | {:error, atom()}
+  def read_memory(os_pid, probe_address, nonce, address, bytes)
+      when is_integer(os_pid) and is_integer(probe_address) and is_binary(nonce) and is_integer(address) and
+             is_integer(bytes),
+      do: :persistent_term.get({__MODULE__, :no_nif_read}, {:error, :no_nif})
+
+  @doc "Unmaps the readback buffers kept for reuse (see `read_memory/5`)."
+  @spec trim_pool() :: :ok
+  def trim_pool, do: :ok
+
   @doc "Whether the token was released (explicitly, or by its destructor)."
   @spec released?(reference()) :: boolean()
   def released?(token), do: :atomics.get(token, 1) == 1

@@ -10,15 +10,22 @@ defmodule Moat.Shared do
   # another process is never written to) and write the bytes with one pwrite.
   #
   # Readbacks: the worker keeps the evaluated tensor pinned and answers with
-  # its address; we read it with one pread from `/proc/<pid>/mem`, after
-  # checking that the probe bytes the worker announced in its hello are
-  # there (the same pid check). The worker then drops the pin on release.
-  # Where the finalizer NIF is loaded, the worker copies the tensor into a
-  # memory file sealed against shrinking and writing instead, and the NIF
-  # maps that read-only as a binary (Moat.Finalizer.map_sealed/3): no copy
-  # on this side, and the mapping outlives the worker (a sealed file cannot
-  # be truncated under it, so no SIGBUS can reach the VM). A file that is not
-  # sealed, or not the one announced, is refused: the pipe then carries it.
+  # its address, and the worker drops the pin on release. Where the
+  # finalizer NIF is loaded and the kernel lets this VM read the worker's
+  # memory (the same user, no ptrace restriction against it), the NIF copies
+  # the bytes with one process_vm_readv into memory of this VM
+  # (Moat.Finalizer.read_memory/5, `via: :process_vm`): the binary is the
+  # VM's own, so nothing the worker does later can touch it. Each read also
+  # reads the probe bytes the worker announced in its hello, in the same
+  # call, so a dead worker's pid taken by another process is never read.
+  # Where that is refused but the NIF is loaded, the worker copies the tensor
+  # into a memory file sealed against shrinking and writing, and the NIF maps
+  # that read-only as a binary (Moat.Finalizer.map_sealed/3, `via: :sealed`):
+  # the mapping outlives the worker (a sealed file cannot be truncated under
+  # it, so no SIGBUS can reach the VM). A file that is not sealed, or not the
+  # one announced, is refused: the pipe then carries it. Without the NIF,
+  # one pread from `/proc/<pid>/mem` after the same probe check (`via:
+  # :proc_mem`).
   #
   # Both are single copies, measured here (bench/foundation.exs): the pipe
   # costs two on the way in and three on the way out. Raw files belong to the
@@ -35,32 +42,36 @@ defmodule Moat.Shared do
           address: non_neg_integer(),
           nonce: binary(),
           threshold: non_neg_integer(),
-          sealed: boolean()
+          os_pid: pos_integer(),
+          via: :process_vm | :sealed | :proc_mem
         }
 
   @doc """
   The shared-memory settings for a worker whose hello is `info`, or nil when
   it offers none or this VM cannot read its memory (another host, another
-  user, a kernel that forbids it): transfers then use the pipe.
+  user, a kernel that forbids it): transfers then use the pipe. `mode` is
+  the `:shared_memory` option: `true` takes the fastest readback the host
+  allows, `:sealed_files` only sealed files (their copy is kept as the
+  worker's cache, so a tensor read back again maps it without a copy).
   """
-  @spec negotiate(map(), non_neg_integer()) :: t() | nil
-  def negotiate(%{shared_memory: %{address: address, nonce: nonce}, os_pid: os_pid}, threshold)
-      when is_integer(address) and byte_size(nonce) == @probe_bytes do
-    shared = %{
-      mem: "/proc/#{os_pid}/mem",
-      address: address,
-      nonce: nonce,
-      threshold: threshold,
-      sealed: Finalizer.loaded?()
-    }
+  @spec negotiate(map(), non_neg_integer(), true | :sealed_files) :: t() | nil
+  def negotiate(info, threshold, mode \\ true)
 
-    case read(shared, address, 0) do
-      {:ok, _} -> shared
-      {:error, _} -> nil
+  def negotiate(%{shared_memory: %{address: address, nonce: nonce}, os_pid: os_pid}, threshold, mode)
+      when is_integer(address) and byte_size(nonce) == @probe_bytes and mode in [true, :sealed_files] do
+    shared = %{mem: "/proc/#{os_pid}/mem", address: address, nonce: nonce, threshold: threshold, os_pid: os_pid}
+
+    # Every way checks the probe first: a pid that is not this worker's
+    # leaves the pipe.
+    cond do
+      mode == true and match?({:ok, _}, read_memory(shared, address, 0)) -> Map.put(shared, :via, :process_vm)
+      not match?({:ok, _}, read(shared, address, 0)) -> nil
+      Finalizer.loaded?() -> Map.put(shared, :via, :sealed)
+      true -> Map.put(shared, :via, :proc_mem)
     end
   end
 
-  def negotiate(_info, _threshold), do: nil
+  def negotiate(_info, _threshold, _mode), do: nil
 
   @doc "Writes `binary` into the memory file an `:upload_file` reply located."
   @spec write(%{path: binary(), inode: non_neg_integer()}, binary()) :: :ok | {:error, term()}
@@ -87,7 +98,7 @@ defmodule Moat.Shared do
 
   @doc "The attrs of a pinned `:to_binary` (protocol.md §6, \"Shared memory\")."
   @spec pin_attrs(t()) :: map()
-  def pin_attrs(%{threshold: threshold, sealed: true}), do: %{pin: threshold, sealed: true}
+  def pin_attrs(%{threshold: threshold, via: :sealed}), do: %{pin: threshold, sealed: true}
   def pin_attrs(%{threshold: threshold}), do: %{pin: threshold}
 
   @doc """
@@ -96,9 +107,16 @@ defmodule Moat.Shared do
   """
   @spec read_pinned(t(), map()) :: {:ok, binary()} | {:error, term()}
   def read_pinned(_shared, %{path: path, inode: inode, bytes: bytes}), do: Finalizer.map_sealed(path, inode, bytes)
+
+  def read_pinned(%{via: :process_vm} = shared, %{address: address, bytes: bytes}),
+    do: read_memory(shared, address, bytes)
+
   def read_pinned(shared, %{address: address, bytes: bytes}), do: read(shared, address, bytes)
 
-  @doc "Reads `bytes` bytes at `address` of the worker's memory."
+  defp read_memory(%{os_pid: os_pid, address: probe, nonce: nonce}, address, bytes),
+    do: Finalizer.read_memory(os_pid, probe, nonce, address, bytes)
+
+  @doc "Reads `bytes` bytes at `address` of the worker's memory through `/proc/<pid>/mem`."
   @spec read(t(), non_neg_integer(), non_neg_integer()) :: {:ok, binary()} | {:error, term()}
   def read(%{mem: mem, address: probe, nonce: nonce}, address, bytes) do
     with {:ok, fd} <- :file.open(mem, [:read, :raw, :binary]) do

@@ -60,9 +60,15 @@ defmodule Moat.Worker do
       the port's pipe, where the worker offers it and this VM can read the
       worker's memory: the same host, the same user, a kernel that allows
       it (Linux; true by default). Uploads are written into a memory file
-      the worker maps as the tensor; readbacks are read from the worker's
-      memory. Each is one copy where the pipe makes two or three, and
-      faster from about 1 MiB up (bench/foundation.exs). `false`, or a
+      the worker maps as the tensor. Readbacks are copied out of the
+      worker's memory into memory of this VM (`process_vm_readv`, one copy
+      at memory speed), or, where the kernel refuses that (a ptrace
+      restriction), mapped from a sealed file the worker copies the tensor
+      into. Each is one copy where the pipe makes two or three, and faster
+      from about 1 MiB up (bench/foundation.exs, bench/readback.exs).
+      `:sealed_files` takes sealed files for readbacks even where the
+      faster copy is allowed: the worker keeps a tensor's file as cache, so
+      reading the same tensor again maps it without copying. `false`, or a
       worker that does not pass the check, uses the pipe for everything.
     * `:shared_memory_threshold` - the smallest tensor, in bytes, that goes
       through shared memory (1 MiB); smaller ones are cheaper through the
@@ -203,7 +209,7 @@ defmodule Moat.Worker do
         window: setting.(:window),
         chunk_bytes: chunk,
         info: info,
-        shared: Shared.negotiate(info, setting.(:shared_memory_threshold))
+        shared: Shared.negotiate(info, setting.(:shared_memory_threshold), setting.(:shared_memory))
       }
 
       Releaser.attach(releaser, &Client.cast(conn, :release, [], &1, nil))

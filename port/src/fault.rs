@@ -19,6 +19,7 @@
 //! | `:spin` | keeps the session thread busy for `ms` ms (a long computation) |
 //! | `:device_write` | a GPU kernel writes through a wild pointer (a real CUDA fault) |
 //! | `:unsealed` | sealed readback files are handed out unsealed from now on (a broken contract the client must refuse) |
+//! | `:wild_pin` | pinned readbacks answer an address nothing is mapped at from now on (the client's read must fail, not return bytes) |
 
 use crate::sys::{self, crash};
 use crate::term::Term;
@@ -26,10 +27,17 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 static UNSEALED: AtomicBool = AtomicBool::new(false);
+static WILD_PIN: AtomicBool = AtomicBool::new(false);
 
 /// Whether `:unsealed` was injected: readback files then skip their seals.
 pub fn leave_unsealed() -> bool {
     UNSEALED.load(Ordering::Relaxed)
+}
+
+/// Whether `:wild_pin` was injected: pinned readbacks then answer an
+/// unmapped address (the first page, below `mmap_min_addr`).
+pub fn wild_pin() -> bool {
+    WILD_PIN.load(Ordering::Relaxed)
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -45,6 +53,7 @@ enum Fault {
     Hang,
     Spin(u64),
     Unsealed,
+    WildPin,
 }
 
 /// Runs the fault now, or arms it on a timer thread; `Ok` when the worker is
@@ -87,6 +96,7 @@ fn parse(attrs: &Term) -> Result<Fault, String> {
         Some("spin") => Ok(Fault::Spin(number("ms")?.clamp(0, 600_000) as u64)),
         Some("sleep") => Ok(Fault::Sleep(number("ms")?.clamp(0, 600_000) as u64)),
         Some("unsealed") => Ok(Fault::Unsealed),
+        Some("wild_pin") => Ok(Fault::WildPin),
         _ => Err(format!("unknown fault {attrs}")),
     }
 }
@@ -117,6 +127,10 @@ fn fire(fault: Fault) -> Result<(), String> {
         }
         Fault::Unsealed => {
             UNSEALED.store(true, Ordering::Relaxed);
+            Ok(())
+        }
+        Fault::WildPin => {
+            WILD_PIN.store(true, Ordering::Relaxed);
             Ok(())
         }
     }

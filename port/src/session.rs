@@ -372,7 +372,15 @@ impl Session {
                         self.pins.insert(pin.id, Pinned::File { _file: file });
                     }
                     None => {
-                        info.push(("address", Term::int(data.bytes().as_ptr() as u64)));
+                        #[cfg(feature = "fault-injection")]
+                        let address = if crate::fault::wild_pin() {
+                            4096
+                        } else {
+                            data.bytes().as_ptr() as u64
+                        };
+                        #[cfg(not(feature = "fault-injection"))]
+                        let address = data.bytes().as_ptr() as u64;
+                        info.push(("address", Term::int(address)));
                         self.pins.insert(pin.id, Pinned::Memory { _data: data });
                     }
                 }

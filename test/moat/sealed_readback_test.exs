@@ -1,8 +1,10 @@
 defmodule Moat.SealedReadbackTest do
   # Large readbacks through a sealed memory file mapped as a binary
-  # (protocol.md §6, "Shared memory"; Moat.Finalizer.map_sealed/3): what the
-  # VM holds survives the worker, a file that is not sealed is refused for
-  # the pipe, and small reads from many callers each get their own answer.
+  # (protocol.md §6, "Shared memory"; Moat.Finalizer.map_sealed/3, chosen
+  # with `shared_memory: :sealed_files`, and where the kernel refuses
+  # process_vm_readv): what the VM holds survives the worker, a file that is
+  # not sealed is refused for the pipe, and small reads from many callers
+  # each get their own answer.
   use ExUnit.Case, async: false
   import Moat.Case
 
@@ -36,8 +38,8 @@ defmodule Moat.SealedReadbackTest do
 
   test "a large readback is a mapping of a sealed file, kept for the tensor's next readback" do
     assert Finalizer.loaded?()
-    w = start_worker(:sealed_trips, shared_memory_threshold: 64 * 1024, log_level: :error)
-    assert Client.conn(w).shared.sealed
+    w = start_worker(:sealed_trips, shared_memory: :sealed_files, shared_memory_threshold: 64 * 1024, log_level: :error)
+    assert Client.conn(w).shared.via == :sealed
     data = bytes(3 * @mib + 5)
     ref = Moat.from_binary(data, {byte_size(data)}, {:u, 8}, worker: w)
     before = mapped_files()
@@ -72,7 +74,9 @@ defmodule Moat.SealedReadbackTest do
   end
 
   test "readbacks of one size in a row take spare files: each its own bytes; a spare is cache" do
-    w = start_worker(:sealed_spares, shared_memory_threshold: 64 * 1024, log_level: :error)
+    w =
+      start_worker(:sealed_spares, shared_memory: :sealed_files, shared_memory_threshold: 64 * 1024, log_level: :error)
+
     n = 2 * @mib + 3
 
     read_fresh = fn ->
@@ -119,7 +123,8 @@ defmodule Moat.SealedReadbackTest do
 
   test "a mapped readback stays readable and correct after its worker is killed" do
     name = :sealed_killed
-    w = start_worker(name, log_level: :error)
+    w = start_worker(name, shared_memory: :sealed_files, log_level: :error)
+    assert Client.conn(w).shared.via == :sealed
     data = bytes(8 * @mib)
     ref = Moat.from_binary(data, {8 * @mib}, {:u, 8}, worker: w)
     assert {:shared_memory, held} = read_back(ref)
@@ -142,7 +147,13 @@ defmodule Moat.SealedReadbackTest do
   end
 
   test "a readback file that is not sealed is refused, and the pipe carries the tensor" do
-    w = start_worker(:sealed_refused, worker_path: Reliability.fault_worker_path(), log_level: :error)
+    w =
+      start_worker(:sealed_refused,
+        shared_memory: :sealed_files,
+        worker_path: Reliability.fault_worker_path(),
+        log_level: :error
+      )
+
     data = bytes(2 * @mib)
     ref = Moat.from_binary(data, {2 * @mib}, {:u, 8}, worker: w)
     assert {:shared_memory, ^data} = read_back(ref)

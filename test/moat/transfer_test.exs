@@ -33,9 +33,13 @@ defmodule Moat.TransferTest do
       on = start_worker(:shm_probe, log_level: :error)
       info = Moat.Worker.info(on)
       assert Shared.negotiate(info, 1) != nil
-      assert Shared.negotiate(%{info | shared_memory: %{info.shared_memory | nonce: <<0::128>>}}, 1) == nil
-      # Another process at that pid (here this VM) does not hold the nonce.
-      assert Shared.negotiate(%{info | os_pid: String.to_integer(System.pid())}, 1) == nil
+      assert Shared.negotiate(info, 1, :sealed_files).via == :sealed
+
+      for mode <- [true, :sealed_files] do
+        assert Shared.negotiate(%{info | shared_memory: %{info.shared_memory | nonce: <<0::128>>}}, 1, mode) == nil
+        # Another process at that pid (here this VM) does not hold the nonce.
+        assert Shared.negotiate(%{info | os_pid: String.to_integer(System.pid())}, 1, mode) == nil
+      end
     end
   end
 

@@ -14,6 +14,9 @@
  * memory"): read_memory/5 copies a pinned tensor out of the worker's memory
  * into memory of this VM, and map_sealed/3 maps a worker's sealed readback
  * file. Neither leaves the VM depending on the worker's pages.
+ *
+ * And it holds each connection's outbox: the ordered queue of frames its
+ * writer process sends as batch packets (see "outbox" below).
  */
 #define _GNU_SOURCE
 #include <erl_nif.h>
@@ -447,6 +450,171 @@ static ERL_NIF_TERM read_memory(ErlNifEnv* env, int argc, const ERL_NIF_TERM arg
   return enif_make_tuple2(env, enif_make_atom(env, "ok"), bin);
 }
 
+
+/* The outbox of a worker's connection (Moat.Writer, docs/latency.md
+ * "Batched writes"): frames queued by any process, in the order of their
+ * pushes, for the connection's one writer process, which takes them all at
+ * once and writes them as one batch packet (protocol.md §1, "Batches").
+ *
+ * Queued terms live in the outbox's own environment (enif_make_copy, which
+ * shares refc binaries), cleared whenever the writer takes everything.
+ * `in_flight` is set by a take that found frames and cleared by the take
+ * that finds none, so it covers the writer's write: a call may write
+ * directly only while nothing is queued and nothing is being written. The
+ * outbox monitors its writer: when the writer dies it closes, its queued
+ * frames are dropped, and every later push answers `closed`. */
+typedef struct {
+  ErlNifMutex* lock;
+  ErlNifPid writer;
+  ErlNifMonitor monitor;
+  ErlNifEnv* env;
+  ERL_NIF_TERM* frames;
+  size_t len, cap;
+  int woken;     /* a {moat_outbox} is on its way, not yet followed by an empty take */
+  int in_flight; /* the writer holds frames it took and has not written yet */
+  int closed;
+} outbox;
+
+static ErlNifResourceType* OUTBOX;
+static ERL_NIF_TERM atom_moat_outbox;
+static ERL_NIF_TERM atom_ok;
+static ERL_NIF_TERM atom_direct;
+static ERL_NIF_TERM atom_closed;
+
+static void outbox_drop(outbox* o) {
+  o->len = 0;
+  if (o->env != NULL) enif_clear_env(o->env);
+}
+
+static void outbox_dtor(ErlNifEnv* env, void* obj) {
+  outbox* o = (outbox*)obj;
+  (void)env;
+  if (o->env != NULL) enif_free_env(o->env);
+  if (o->frames != NULL) enif_free(o->frames);
+  if (o->lock != NULL) enif_mutex_destroy(o->lock);
+}
+
+static void outbox_down(ErlNifEnv* env, void* obj, ErlNifPid* pid, ErlNifMonitor* mon) {
+  outbox* o = (outbox*)obj;
+  (void)env;
+  (void)pid;
+  (void)mon;
+  enif_mutex_lock(o->lock);
+  o->closed = 1;
+  outbox_drop(o);
+  enif_mutex_unlock(o->lock);
+}
+
+/* outbox_new(WriterPid) -> Outbox */
+static ERL_NIF_TERM outbox_new(ErlNifEnv* env, int argc, const ERL_NIF_TERM argv[]) {
+  ErlNifPid writer;
+  (void)argc;
+  if (!enif_get_local_pid(env, argv[0], &writer)) return enif_make_badarg(env);
+  outbox* o = enif_alloc_resource(OUTBOX, sizeof(outbox));
+  if (o == NULL) return enif_raise_exception(env, enif_make_atom(env, "enomem"));
+  memset(o, 0, sizeof(outbox));
+  o->writer = writer;
+  o->lock = enif_mutex_create("moat_outbox");
+  o->env = enif_alloc_env();
+  if (o->lock == NULL || o->env == NULL) {
+    enif_release_resource(o);
+    return enif_raise_exception(env, enif_make_atom(env, "enomem"));
+  }
+  /* A writer already dead closes it at once. */
+  if (enif_monitor_process(env, o, &writer, &o->monitor) != 0) o->closed = 1;
+  ERL_NIF_TERM term = enif_make_resource(env, o);
+  enif_release_resource(o);
+  return term;
+}
+
+/* Queues `frame`; returns the atom to answer, and whether to wake the
+ * writer. Call with the lock held. */
+static ERL_NIF_TERM outbox_append(outbox* o, ERL_NIF_TERM frame, int* wake) {
+  if (o->len == o->cap) {
+    size_t cap = o->cap ? o->cap * 2 : 256;
+    ERL_NIF_TERM* frames = enif_realloc(o->frames, cap * sizeof(ERL_NIF_TERM));
+    if (frames == NULL) return 0;
+    o->frames = frames;
+    o->cap = cap;
+  }
+  o->frames[o->len++] = enif_make_copy(o->env, frame);
+  *wake = !o->woken;
+  o->woken = 1;
+  return atom_ok;
+}
+
+static ERL_NIF_TERM push(ErlNifEnv* env, const ERL_NIF_TERM argv[], int call) {
+  outbox* o;
+  if (!enif_get_resource(env, argv[0], OUTBOX, (void**)&o)) return enif_make_badarg(env);
+  int wake = 0;
+  ERL_NIF_TERM answer;
+  enif_mutex_lock(o->lock);
+  if (o->closed) answer = atom_closed;
+  else if (call && o->len == 0 && !o->in_flight) answer = atom_direct;
+  else answer = outbox_append(o, argv[1], &wake);
+  ErlNifPid writer = o->writer;
+  enif_mutex_unlock(o->lock);
+  if (answer == 0) return enif_raise_exception(env, enif_make_atom(env, "enomem"));
+  if (wake) {
+    ErlNifEnv* msg_env = enif_alloc_env();
+    if (msg_env != NULL) {
+      enif_send(env, &writer, msg_env, enif_make_tuple1(msg_env, atom_moat_outbox));
+      enif_free_env(msg_env);
+    }
+  }
+  return answer;
+}
+
+/* outbox_push(Outbox, Frame) -> ok | closed. Frame is queued behind every
+ * frame pushed before it. */
+static ERL_NIF_TERM outbox_push(ErlNifEnv* env, int argc, const ERL_NIF_TERM argv[]) {
+  (void)argc;
+  return push(env, argv, 0);
+}
+
+/* outbox_call(Outbox, Frame) -> direct | ok | closed. `direct` (nothing
+ * queued, nothing being written: the caller writes Frame itself) or as
+ * outbox_push/2. */
+static ERL_NIF_TERM outbox_call(ErlNifEnv* env, int argc, const ERL_NIF_TERM argv[]) {
+  (void)argc;
+  return push(env, argv, 1);
+}
+
+/* outbox_take(Outbox) -> [Frame] (everything queued, in order) | closed.
+ * For the writer only: a take that finds frames sets in_flight, one that
+ * finds none clears it and lets the next push wake the writer again. */
+static ERL_NIF_TERM outbox_take(ErlNifEnv* env, int argc, const ERL_NIF_TERM argv[]) {
+  outbox* o;
+  (void)argc;
+  if (!enif_get_resource(env, argv[0], OUTBOX, (void**)&o)) return enif_make_badarg(env);
+  enif_mutex_lock(o->lock);
+  ERL_NIF_TERM list;
+  if (o->closed) {
+    list = atom_closed;
+  } else {
+    list = enif_make_list(env, 0);
+    for (size_t i = o->len; i > 0; i--) list = enif_make_list_cell(env, enif_make_copy(env, o->frames[i - 1]), list);
+    o->in_flight = o->len > 0;
+    if (o->len == 0) o->woken = 0;
+    outbox_drop(o);
+  }
+  enif_mutex_unlock(o->lock);
+  return list;
+}
+
+/* outbox_close(Outbox) -> ok: drops what is queued; later pushes answer
+ * closed (the writer's write failed: the port is closed). */
+static ERL_NIF_TERM outbox_close(ErlNifEnv* env, int argc, const ERL_NIF_TERM argv[]) {
+  outbox* o;
+  (void)argc;
+  if (!enif_get_resource(env, argv[0], OUTBOX, (void**)&o)) return enif_make_badarg(env);
+  enif_mutex_lock(o->lock);
+  o->closed = 1;
+  outbox_drop(o);
+  enif_mutex_unlock(o->lock);
+  return atom_ok;
+}
+
 static ERL_NIF_TERM loaded(ErlNifEnv* env, int argc, const ERL_NIF_TERM argv[]) {
   (void)env;
   (void)argc;
@@ -461,7 +629,14 @@ static int open_token_type(ErlNifEnv* env, ErlNifResourceFlags flags) {
   if (MAPPING == NULL) return 1;
   BUFFER = enif_open_resource_type(env, NULL, "moat_buffer", buffer_dtor, flags, NULL);
   if (BUFFER == NULL) return 1;
+  ErlNifResourceTypeInit outbox_init = {outbox_dtor, NULL, outbox_down, 0, NULL};
+  OUTBOX = enif_open_resource_type_x(env, "moat_outbox", &outbox_init, flags, NULL);
+  if (OUTBOX == NULL) return 1;
   atom_moat_released = enif_make_atom(env, "moat_released");
+  atom_moat_outbox = enif_make_atom(env, "moat_outbox");
+  atom_ok = enif_make_atom(env, "ok");
+  atom_direct = enif_make_atom(env, "direct");
+  atom_closed = enif_make_atom(env, "closed");
   atom_true = enif_make_atom(env, "true");
   atom_false = enif_make_atom(env, "false");
   return 0;
@@ -496,6 +671,11 @@ static ErlNifFunc funcs[] = {
     {"map_sealed", 3, map_sealed, 0},
     {"read_memory", 5, read_memory, ERL_NIF_DIRTY_JOB_CPU_BOUND},
     {"trim_pool", 0, trim_pool, 0},
+    {"outbox_new", 1, outbox_new, 0},
+    {"outbox_push", 2, outbox_push, 0},
+    {"outbox_call", 2, outbox_call, 0},
+    {"outbox_take", 1, outbox_take, 0},
+    {"outbox_close", 1, outbox_close, 0},
 };
 
 ERL_NIF_INIT(Elixir.Moat.Finalizer, funcs, load, NULL, upgrade, NULL)

@@ -23,7 +23,7 @@ defmodule Moat.Client do
       the pipe or shared memory).
   """
 
-  alias Moat.{Config, Error, Protocol, Remote, Shared}
+  alias Moat.{Config, Error, Finalizer, Protocol, Remote, Shared, Writer}
 
   @enforce_keys [:name, :port, :generation, :incarnation, :owner, :table, :counters, :releaser]
   defstruct [
@@ -38,7 +38,8 @@ defmodule Moat.Client do
     :window,
     :chunk_bytes,
     :info,
-    :shared
+    :shared,
+    :outbox
   ]
 
   @type t :: %__MODULE__{
@@ -53,7 +54,8 @@ defmodule Moat.Client do
           window: pos_integer(),
           chunk_bytes: pos_integer(),
           info: map(),
-          shared: Shared.t() | nil
+          shared: Shared.t() | nil,
+          outbox: reference() | nil
         }
 
   # Handles whose ids the next frame of this process reads (see pin/1).
@@ -204,9 +206,20 @@ defmodule Moat.Client do
 
   @doc "Sends a fire-and-forget op (no reply; failures poison `outs`)."
   @spec cast(t(), atom(), [pos_integer()], [pos_integer()], term(), iodata()) :: :ok
-  def cast(conn, op, outs, ins, attrs, payload \\ []) do
+  def cast(conn, op, outs, ins, attrs, payload \\ [])
+
+  def cast(conn, op, outs, ins, attrs, []) do
     admit(conn)
-    command(conn, op, Protocol.request(0, conn.generation, op, outs, ins, attrs, payload))
+    command(conn, op, Protocol.request(0, conn.generation, op, outs, ins, attrs))
+  end
+
+  def cast(conn, op, outs, ins, attrs, payload) do
+    admit(conn)
+    frame = Protocol.request(0, conn.generation, op, outs, ins, attrs, payload)
+
+    if conn.outbox != nil and IO.iodata_length(payload) >= Writer.large_payload(),
+      do: command_large(conn, op, frame),
+      else: command(conn, op, frame)
   end
 
   @doc """
@@ -227,7 +240,7 @@ defmodule Moat.Client do
   @spec owner_call(t(), atom(), term(), timeout()) :: {:ok, term()} | {:error, Error.t()}
   def owner_call(%__MODULE__{port: port} = conn, op, attrs, timeout \\ 15_000) do
     seq = :atomics.add_get(conn.counters, @seq, 1)
-    command(conn, op, Protocol.request(seq, conn.generation, op, [], [], attrs))
+    direct(conn, op, Protocol.request(seq, conn.generation, op, [], [], attrs))
     owner_await(conn, port, op, seq, timeout)
   end
 
@@ -301,7 +314,7 @@ defmodule Moat.Client do
       hooks = %{on_value: on_value, acc: acc, firings: 0, acked: 0, bytes: 0}
 
       try do
-        command(conn, op, Protocol.request(seq, conn.generation, op, outs, ins, attrs))
+        command_call(conn, op, Protocol.request(seq, conn.generation, op, outs, ins, attrs))
         await_hooks(conn, op, seq, mref, [], hooks)
       rescue
         e in Error ->
@@ -390,7 +403,7 @@ defmodule Moat.Client do
 
   defp send_request(conn, op, seq, mref, frame, timeout) do
     try do
-      command(conn, op, frame)
+      command_call(conn, op, frame)
       await(conn, op, seq, mref, [], timeout)
     rescue
       e in Error ->
@@ -527,8 +540,8 @@ defmodule Moat.Client do
     :ok
   end
 
-  # A frame is counted once it is written (see `command/3`): a sender that
-  # dies before that, waiting here or suspended on a busy port, must not
+  # A frame is counted once it is written or pushed into the outbox (see
+  # `command/3`): a sender that dies before that, waiting here or suspended on a busy port, must not
   # take a slot of the window with it, as the worker will never acknowledge
   # a frame it never got. Concurrent senders may overshoot the window by one
   # frame each.
@@ -549,11 +562,82 @@ defmodule Moat.Client do
   defp exit_reason({reason, {GenServer, :call, _}}), do: reason
   defp exit_reason(reason), do: reason
 
+  # How a frame reaches the worker (docs/latency.md, "Batched writes"):
+  # where the connection has an outbox (a local worker, with the finalizer
+  # NIF), a cast pushes its frame there and returns, and the connection's
+  # writer (Moat.Writer) sends what piled up as one batch packet. The push
+  # is synchronous, so the order of pushes is the order of frames, whatever
+  # process pushed them: anything another process does with a handle comes
+  # after its creator's push. A frame counts against the window once it is
+  # pushed (the writer writes it unless the worker dies).
+  defp command(%__MODULE__{outbox: nil} = conn, op, iodata), do: direct(conn, op, iodata)
+
   defp command(conn, op, iodata) do
-    transmit(conn.port, iodata)
+    case Finalizer.outbox_push(conn.outbox, iodata) do
+      :ok -> sent(conn)
+      :closed -> raise Error.new(:worker_unavailable, op, cause(conn))
+    end
+  end
+
+  # A call (its caller waits for the reply) writes itself when nothing is
+  # queued or being written: every frame it may depend on is then on the
+  # port already. Behind queued frames, it rides in their batch.
+  defp command_call(%__MODULE__{outbox: nil} = conn, op, iodata), do: direct(conn, op, iodata)
+
+  defp command_call(conn, op, iodata) do
+    case Finalizer.outbox_call(conn.outbox, iodata) do
+      :direct -> direct(conn, op, iodata)
+      :ok -> sent(conn)
+      :closed -> raise Error.new(:worker_unavailable, op, cause(conn))
+    end
+  end
+
+  # A frame with a large payload (an upload chunk): written by its sender
+  # when nothing is queued, else queued alone and waited for, so that at
+  # most one per sender waits in the outbox and the port's busy limit
+  # bounds the payload bytes in flight, as for a direct write.
+  defp command_large(conn, op, iodata) do
+    ref = make_ref()
+
+    case Finalizer.outbox_call(conn.outbox, {:notify, self(), ref, iodata}) do
+      :direct ->
+        direct(conn, op, iodata)
+
+      :ok ->
+        sent(conn)
+        await_written(conn, op, ref)
+
+      :closed ->
+        raise Error.new(:worker_unavailable, op, cause(conn))
+    end
+  end
+
+  defp await_written(conn, op, ref) do
+    mref = Process.monitor(conn.owner)
+
+    receive do
+      {^ref, :written} ->
+        Process.demonitor(mref, [:flush])
+        :ok
+
+      {^ref, :closed} ->
+        Process.demonitor(mref, [:flush])
+        raise Error.new(:worker_unavailable, op, cause(conn))
+
+      {:DOWN, ^mref, :process, _, reason} ->
+        raise Error.new(:worker_unavailable, op, died(reason, conn))
+    end
+  end
+
+  defp sent(conn) do
     :atomics.add(conn.counters, @sent, 1)
     Process.delete(@pinned)
     :ok
+  end
+
+  defp direct(conn, op, iodata) do
+    transmit(conn.port, iodata)
+    sent(conn)
   rescue
     e in ArgumentError ->
       # Only a closed port is the worker's doing.

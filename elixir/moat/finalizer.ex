@@ -117,4 +117,31 @@ defmodule Moat.Finalizer do
   @doc "Whether the token was released (explicitly, or by its destructor)."
   @spec released?(reference()) :: boolean()
   def released?(token), do: :atomics.get(token, 1) == 1
+
+  # The outbox of a connection (Moat.Writer): without the NIF there is none,
+  # and callers write to the port themselves. (As in loaded?/0, the
+  # fallbacks' answers are read from a key nobody writes.)
+
+  @doc "A connection's outbox, whose frames `writer` takes (`outbox_take/1`)."
+  @spec outbox_new(pid()) :: reference()
+  def outbox_new(writer) when is_pid(writer), do: :persistent_term.get({__MODULE__, :no_nif_outbox}, make_ref())
+
+  @doc "Queues `frame` behind every frame pushed before it: `:ok`, or `:closed`."
+  @spec outbox_push(reference(), term()) :: :ok | :closed
+  def outbox_push(_outbox, _frame), do: :persistent_term.get({__MODULE__, :no_nif_outbox}, :closed)
+
+  @doc """
+  `:direct` when nothing is queued or being written (the caller writes
+  `frame` itself), else as `outbox_push/2`.
+  """
+  @spec outbox_call(reference(), term()) :: :direct | :ok | :closed
+  def outbox_call(_outbox, _frame), do: :persistent_term.get({__MODULE__, :no_nif_outbox}, :closed)
+
+  @doc "Everything queued, in order (the writer's), or `:closed`."
+  @spec outbox_take(reference()) :: [term()] | :closed
+  def outbox_take(_outbox), do: :persistent_term.get({__MODULE__, :no_nif_outbox}, :closed)
+
+  @doc "Closes the outbox: what is queued is dropped, later pushes answer `:closed`."
+  @spec outbox_close(reference()) :: :ok
+  def outbox_close(_outbox), do: :ok
 end

@@ -31,6 +31,14 @@ defmodule Moat.Protocol do
   end
 
   @doc """
+  A batch packet's body (protocol.md §1, "Batches"): a header length of 0,
+  then each frame as `<<byte_size(frame)::32, frame>>`. The worker reads
+  its frames one by one, as if each had come in a packet of its own.
+  """
+  @spec batch([iodata()]) :: iodata()
+  def batch([_ | _] = frames), do: [<<0::32>> | Enum.map(frames, &[<<IO.iodata_length(&1)::32>> | &1])]
+
+  @doc """
   The atoms a worker may send besides op names (which the client sent
   first). Listing them here creates them when this module loads, so replies
   decode with `:safe`.

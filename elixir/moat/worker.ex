@@ -123,7 +123,7 @@ defmodule Moat.Worker do
   require Logger
   import Bitwise, only: [<<<: 2]
 
-  alias Moat.{Client, Config, Error, Finalizer, Protocol, Releaser, Remote, Shared}
+  alias Moat.{Client, Config, Error, Finalizer, Protocol, Releaser, Remote, Shared, Writer}
 
   @u64 1 <<< 64
 
@@ -196,6 +196,7 @@ defmodule Moat.Worker do
       chunk = min(chunk, Map.get(info, :chunk_bytes, chunk))
       warn_without_finalizer()
       {:ok, releaser} = Releaser.start_link(gc_nudge: setting.(:gc_nudge))
+      {writer, outbox} = start_writer(port, setting.(:batch_writes))
 
       conn = %Client{
         name: name,
@@ -209,7 +210,8 @@ defmodule Moat.Worker do
         window: setting.(:window),
         chunk_bytes: chunk,
         info: info,
-        shared: Shared.negotiate(info, setting.(:shared_memory_threshold), setting.(:shared_memory))
+        shared: Shared.negotiate(info, setting.(:shared_memory_threshold), setting.(:shared_memory)),
+        outbox: outbox
       }
 
       Releaser.attach(releaser, &Client.cast(conn, :release, [], &1, nil))
@@ -226,9 +228,27 @@ defmodule Moat.Worker do
       if watchdog, do: Process.send_after(self(), :watchdog, tick(watchdog))
 
       {:ok,
-       %{conn: conn, waiters: [], hook_runs: %{}, down: nil, hung: nil, watchdog: watchdog, progress: {0, now_ms()}}}
+       %{
+         conn: conn,
+         writer: writer,
+         waiters: [],
+         hook_runs: %{},
+         down: nil,
+         hung: nil,
+         watchdog: watchdog,
+         progress: {0, now_ms()}
+       }}
     end
   end
+
+  # A local worker's writer and outbox (Moat.Writer), where the finalizer
+  # NIF is loaded and `:batch_writes` is on; otherwise (and for a remote
+  # worker, whose frames are messages already) callers write themselves.
+  defp start_writer(port, true) when is_port(port) do
+    if Finalizer.loaded?(), do: Writer.start_link(port), else: {nil, nil}
+  end
+
+  defp start_writer(_port, _batch), do: {nil, nil}
 
   # A local worker: its port, opened here. A remote one: its session's pid.
   defp start_worker(nil, opts, setting, _generation, args) do
@@ -456,6 +476,12 @@ defmodule Moat.Worker do
 
   def handle_info({:EXIT, port, reason}, %{conn: %{port: port}} = state) do
     how = "its port closed (#{inspect(reason)})"
+    {:stop, {:shutdown, {:worker_died, how}}, %{state | down: how}}
+  end
+
+  def handle_info({:EXIT, pid, reason}, %{writer: pid} = state) when is_pid(pid) do
+    how = "its writer exited (#{inspect(reason)})"
+    Logger.error("Moat worker #{inspect(state.conn.name)}: #{how}; restarting")
     {:stop, {:shutdown, {:worker_died, how}}, %{state | down: how}}
   end
 

@@ -60,7 +60,7 @@ pub trait Ready {
 impl<F: Read + AsRawFd> Ready for FrameReader<BufReader<F>> {
     fn poll(&self, block: bool) -> bool {
         let buffered = self.get_ref();
-        !buffered.buffer().is_empty() || crate::sys::readable(buffered.get_ref().as_raw_fd(), block)
+        self.in_batch() || !buffered.buffer().is_empty() || crate::sys::readable(buffered.get_ref().as_raw_fd(), block)
     }
 }
 

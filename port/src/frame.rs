@@ -4,6 +4,11 @@
 //! is refused before anything is allocated for it (its bytes are read and
 //! dropped to keep the stream in step), and the header must fit in the packet
 //! and under `max_header_bytes`.
+//!
+//! A packet whose header length is 0 is a batch (protocol.md §1,
+//! "Batches"): its body is more packets, `<<len::32, frame>>` each, read one
+//! by one as if each had come alone, each checked against the same limits.
+//! A batch's own length is not limited: nothing is allocated for it.
 
 use crate::term::{self, DecodeError, Term};
 use std::io::{self, Read, Write};
@@ -41,6 +46,8 @@ pub struct FrameReader<R> {
     limits: Limits,
     /// Payload bytes of the current frame not yet consumed.
     pending: usize,
+    /// Bytes of the current batch packet after the current frame.
+    batch_left: usize,
 }
 
 impl<R: Read> FrameReader<R> {
@@ -49,6 +56,7 @@ impl<R: Read> FrameReader<R> {
             inner,
             limits,
             pending: 0,
+            batch_left: 0,
         }
     }
 
@@ -57,46 +65,110 @@ impl<R: Read> FrameReader<R> {
         &self.inner
     }
 
+    /// Whether it is inside a batch packet (protocol.md §1, "Batches"): the
+    /// rest of the batch is on its way, so a read will not wait long.
+    pub fn in_batch(&self) -> bool {
+        self.batch_left > 0
+    }
+
     /// Reads the next frame's header. `Ok(None)` is a clean end of input.
+    /// The frames of a batch packet come one by one, as if each had come in
+    /// a packet of its own.
     pub fn next_head(&mut self) -> io::Result<Option<Head>> {
         if self.pending > 0 {
             self.skip_payload()?;
         }
-        let mut len = [0u8; 4];
-        if !read_exact_or_eof(&mut self.inner, &mut len)? {
-            return Ok(None);
+        loop {
+            if self.batch_left > 0 {
+                return self.next_in_batch().map(Some);
+            }
+            let mut len = [0u8; 4];
+            if !read_exact_or_eof(&mut self.inner, &mut len)? {
+                return Ok(None);
+            }
+            let packet_len = u32::from_be_bytes(len) as usize;
+            if packet_len < 4 {
+                return self
+                    .refuse(packet_len, packet_len, "packet shorter than its header length")
+                    .map(Some);
+            }
+            let header_len = self.read_u32()?;
+            if header_len == 0 {
+                if packet_len == 4 {
+                    return self
+                        .refuse(0, 4, "malformed batch: a batch packet with no frames")
+                        .map(Some);
+                }
+                // A batch: its inner packets follow.
+                self.batch_left = packet_len - 4;
+                continue;
+            }
+            return self.frame(packet_len, header_len).map(Some);
         }
-        let packet_len = u32::from_be_bytes(len) as usize;
+    }
+
+    /// The next inner packet of the current batch.
+    fn next_in_batch(&mut self) -> io::Result<Head> {
+        let left = self.batch_left;
+        if left < 4 {
+            self.batch_left = 0;
+            let why = format!("malformed batch: {left} bytes left at its end, too few for a packet length");
+            return self.refuse(left, 0, &why);
+        }
+        let inner_len = self.read_u32()?;
+        let left = left - 4;
+        if inner_len > left {
+            self.batch_left = 0;
+            let why = format!(
+                "malformed batch: an inner packet of {inner_len} bytes exceeds the {left} bytes left in its batch"
+            );
+            return self.refuse(left, inner_len, &why);
+        }
+        self.batch_left = left - inner_len;
+        if inner_len < 4 {
+            let why = "malformed batch: an inner packet shorter than its header length";
+            return self.refuse(inner_len, inner_len, why);
+        }
+        let header_len = self.read_u32()?;
+        if header_len == 0 {
+            return self.refuse(inner_len - 4, inner_len, "malformed batch: a batch inside a batch");
+        }
+        self.frame(inner_len, header_len)
+    }
+
+    /// A frame of `packet_len` bytes whose header length has been read.
+    fn frame(&mut self, packet_len: usize, header_len: usize) -> io::Result<Head> {
         let oversized = packet_len > self.limits.max_frame_bytes;
-        if packet_len < 4 {
-            self.discard(packet_len)?;
-            return Ok(Some(Head {
-                header: Err(bad("packet shorter than its header length")),
-                payload_len: 0,
-                oversized,
-            }));
-        }
-        let mut hlen = [0u8; 4];
-        self.inner.read_exact(&mut hlen)?;
-        let header_len = u32::from_be_bytes(hlen) as usize;
         let rest = packet_len - 4;
         if header_len > rest || header_len > self.limits.max_header_bytes {
-            self.discard(rest)?;
             let why = format!("header length {header_len} exceeds the packet ({rest} bytes) or the header limit");
-            return Ok(Some(Head {
-                header: Err(bad(&why)),
-                payload_len: 0,
-                oversized,
-            }));
+            return self.refuse(rest, packet_len, &why);
         }
         let mut header = vec![0u8; header_len];
         self.inner.read_exact(&mut header)?;
         self.pending = rest - header_len;
-        Ok(Some(Head {
+        Ok(Head {
             header: term::decode(&header),
             payload_len: self.pending,
             oversized,
-        }))
+        })
+    }
+
+    /// Drops `skip` bytes (what is left of a refused packet of `packet_len`
+    /// bytes) and answers with an error head.
+    fn refuse(&mut self, skip: usize, packet_len: usize, why: &str) -> io::Result<Head> {
+        self.discard(skip)?;
+        Ok(Head {
+            header: Err(bad(why)),
+            payload_len: 0,
+            oversized: packet_len > self.limits.max_frame_bytes,
+        })
+    }
+
+    fn read_u32(&mut self) -> io::Result<usize> {
+        let mut b = [0u8; 4];
+        self.inner.read_exact(&mut b)?;
+        Ok(u32::from_be_bytes(b) as usize)
     }
 
     /// Reads the next `dst.len()` payload bytes of the current frame.
@@ -245,5 +317,86 @@ mod tests {
         let mut r = FrameReader::new(&bytes[..], Limits::default());
         assert!(r.next_head().unwrap().unwrap().header.is_err());
         assert_eq!(r.next_head().unwrap().unwrap().header.unwrap(), Term::atom("next"));
+    }
+
+    fn batch(packets: &[Vec<u8>]) -> Vec<u8> {
+        let body: Vec<u8> = packets.concat();
+        let mut out = ((body.len() + 4) as u32).to_be_bytes().to_vec();
+        out.extend([0, 0, 0, 0]);
+        out.extend(body);
+        out
+    }
+
+    #[test]
+    fn a_batch_reads_as_its_frames_one_by_one() {
+        let mut bytes = batch(&[
+            packet(&Term::atom("a"), b"xy"),
+            packet(&Term::int(2), b""),
+            packet(&Term::atom("c"), b"z"),
+        ]);
+        bytes.extend(packet(&Term::atom("alone"), b""));
+        let mut r = FrameReader::new(&bytes[..], Limits::default());
+        let head = r.next_head().unwrap().unwrap();
+        assert_eq!(head.header.unwrap(), Term::atom("a"));
+        assert!(r.in_batch());
+        let mut p = [0u8; 2];
+        r.read_payload(&mut p).unwrap();
+        assert_eq!(&p, b"xy");
+        assert_eq!(r.next_head().unwrap().unwrap().header.unwrap(), Term::int(2));
+        // An unread payload is skipped within the batch.
+        let head = r.next_head().unwrap().unwrap();
+        assert_eq!((head.header.unwrap(), head.payload_len), (Term::atom("c"), 1));
+        assert!(!r.in_batch());
+        assert_eq!(r.next_head().unwrap().unwrap().header.unwrap(), Term::atom("alone"));
+        assert!(r.next_head().unwrap().is_none());
+    }
+
+    #[test]
+    fn each_frame_of_a_batch_is_checked_against_the_limits() {
+        let limits = Limits {
+            max_frame_bytes: 64,
+            ..Limits::default()
+        };
+        let bytes = batch(&[
+            packet(&Term::atom("big"), &[7u8; 100]),
+            packet(&Term::atom("next"), b""),
+        ]);
+        let mut r = FrameReader::new(&bytes[..], limits);
+        let head = r.next_head().unwrap().unwrap();
+        assert!(head.oversized);
+        assert_eq!(r.next_head().unwrap().unwrap().header.unwrap(), Term::atom("next"));
+        assert!(r.next_head().unwrap().is_none());
+    }
+
+    fn error_of(head: Head) -> String {
+        head.header.unwrap_err().0
+    }
+
+    #[test]
+    fn malformed_batches_are_protocol_errors_that_keep_the_stream_in_step() {
+        let next = packet(&Term::atom("next"), b"");
+        // An empty batch.
+        let mut bytes = batch(&[]);
+        // An inner packet longer than what is left of its batch.
+        bytes.extend([0, 0, 0, 12, 0, 0, 0, 0, 0, 0, 0, 99, 1, 2, 3, 4]);
+        // Two stray bytes at a batch's end.
+        bytes.extend(batch(&[packet(&Term::int(1), b""), vec![9, 9]]));
+        // A batch inside a batch, and an inner packet too short for a header length.
+        bytes.extend(batch(&[batch(&[packet(&Term::int(2), b"")]), vec![0, 0, 0, 2, 5, 5]]));
+        bytes.extend(&next);
+        let mut r = FrameReader::new(&bytes[..], Limits::default());
+        let why = error_of(r.next_head().unwrap().unwrap());
+        assert!(why.contains("a batch packet with no frames"), "{why}");
+        let why = error_of(r.next_head().unwrap().unwrap());
+        assert!(why.contains("exceeds the 4 bytes left in its batch"), "{why}");
+        assert_eq!(r.next_head().unwrap().unwrap().header.unwrap(), Term::int(1));
+        let why = error_of(r.next_head().unwrap().unwrap());
+        assert!(why.contains("2 bytes left at its end"), "{why}");
+        let why = error_of(r.next_head().unwrap().unwrap());
+        assert!(why.contains("a batch inside a batch"), "{why}");
+        let why = error_of(r.next_head().unwrap().unwrap());
+        assert!(why.contains("shorter than its header length"), "{why}");
+        assert_eq!(r.next_head().unwrap().unwrap().header.unwrap(), Term::atom("next"));
+        assert!(r.next_head().unwrap().is_none());
     }
 }

@@ -285,3 +285,75 @@ fn an_oversized_frame_is_refused_before_anything_is_allocated_for_it() {
     still_serving(&mut w, 3);
     w.close(Duration::from_secs(2));
 }
+
+/// One frame as a batch's inner packet: `<<len::32, frame>>`.
+fn inner(header: Term, payload: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    moat_port::frame::write_frame(&mut out, &header, payload).unwrap();
+    out
+}
+
+/// A batch packet (protocol.md §1, "Batches") of `body`'s inner packets.
+fn batch(body: &[u8]) -> Vec<u8> {
+    let mut out = ((body.len() + 4) as u32).to_be_bytes().to_vec();
+    out.extend([0, 0, 0, 0]);
+    out.extend(body);
+    out
+}
+
+#[test]
+fn a_batch_is_served_frame_by_frame_in_order() {
+    let mut w = start(&[]);
+    let g = w.generation;
+    let attrs = moat_port::protocol::map(vec![("type", ty("f", 32))]);
+    let body = [
+        inner(
+            request(0, g, "from_binary", &[1], &[], tensor_attrs(&[2], "f", 32, 8)),
+            &f32_bytes(&[1.0, 2.0]),
+        ),
+        inner(request(0, g, "add", &[2], &[1, 1], attrs.clone()), &[]),
+        inner(request(7, g, "to_binary", &[], &[2], nil()), &[]),
+        inner(request(0, g, "add", &[3], &[2, 1], attrs), &[]),
+        inner(request(8, g, "to_binary", &[], &[3], nil()), &[]),
+    ]
+    .concat();
+    w.send_raw(&batch(&body));
+    for (seq, want) in [(7, [2.0f32, 4.0]), (8, [3.0, 6.0])] {
+        let (reply, payload) = w.recv();
+        assert_eq!(reply.as_tuple().unwrap()[1], Term::int(seq), "{reply}");
+        assert_eq!(payload, f32_bytes(&want));
+    }
+    still_serving(&mut w, 50);
+}
+
+#[test]
+fn malformed_batches_are_refused_and_the_worker_keeps_serving() {
+    let mut w = start(&["--max-frame-bytes", "4096"]);
+    let g = w.generation;
+    // An inner packet longer than the rest of its batch.
+    w.send_raw(&batch(&[0, 0, 0, 50, 1, 2, 3]));
+    let (op, message) = unprompted(&mut w);
+    assert_eq!(op, "protocol");
+    assert!(message.contains("exceeds the 3 bytes left in its batch"), "{message}");
+    // A batch with no frames, then a batch inside a batch.
+    w.send_raw(&[0, 0, 0, 4, 0, 0, 0, 0]);
+    assert!(unprompted(&mut w).1.contains("a batch packet with no frames"));
+    let nested = batch(&inner(request(0, g, "sync", &[], &[], nil()), &[]));
+    w.send_raw(&batch(&nested));
+    assert!(unprompted(&mut w).1.contains("a batch inside a batch"));
+    // An oversized frame inside a batch is refused alone; the frames around it are served.
+    let body = [
+        inner(
+            request(0, g, "from_binary", &[5], &[], tensor_attrs(&[2000], "f", 32, 8000)),
+            &[0u8; 8000],
+        ),
+        inner(request(9, g, "sync", &[], &[], nil()), &[]),
+    ]
+    .concat();
+    w.send_raw(&batch(&body));
+    let (op, message) = unprompted(&mut w);
+    assert_eq!(op, "protocol");
+    assert!(message.contains("frame of more than 4096 bytes refused"), "{message}");
+    assert_eq!(w.recv().0, moat_port::protocol::ok(9, nil()));
+    still_serving(&mut w, 60);
+}

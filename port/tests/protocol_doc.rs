@@ -1,6 +1,7 @@
 //! protocol.md's examples, checked against the Rust codec: each example's
 //! bytes decode to the term it shows and re-encode to the same bytes.
 
+use moat_port::frame::{FrameReader, Limits};
 use moat_port::term::{decode, encode};
 
 struct Example {
@@ -49,4 +50,28 @@ fn every_example_decodes_to_its_term_and_reencodes_to_its_bytes() {
         assert_eq!(term.to_string(), ex.term, "{}: decoded term differs", ex.title);
         assert_eq!(encode(&term), bytes, "{}: re-encoded bytes differ", ex.title);
     }
+}
+
+fn block<'a>(doc: &'a str, lang: &str) -> &'a str {
+    let start = doc
+        .find(&format!("```{lang}\n"))
+        .unwrap_or_else(|| panic!("no {lang} block"))
+        + lang.len()
+        + 4;
+    &doc[start..start + doc[start..].find("```").unwrap()]
+}
+
+#[test]
+fn the_batch_example_reads_as_its_frames() {
+    let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../protocol.md")).expect("protocol.md");
+    let terms: Vec<&str> = block(&doc, "batch").lines().filter(|l| !l.trim().is_empty()).collect();
+    let bytes = unhex(block(&doc, "batch-hex"));
+    let mut reader = FrameReader::new(&bytes[..], Limits::default());
+    let mut read = Vec::new();
+    while let Some(head) = reader.next_head().unwrap() {
+        assert_eq!(head.payload_len, 0);
+        read.push(head.header.expect("a frame of the batch").to_string());
+    }
+    assert_eq!(terms.len(), 2);
+    assert_eq!(read, terms);
 }

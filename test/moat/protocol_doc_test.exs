@@ -20,6 +20,19 @@ defmodule Moat.ProtocolDocTest do
       {title, String.trim(term), String.replace(hex, ~r/\s/, "")}
     end)
 
+  doc = File.read!(@doc_path)
+  [_, batch_terms] = Regex.run(~r/```batch\n(.*?)```/s, doc)
+  [_, batch_hex] = Regex.run(~r/```batch-hex\n(.*?)```/s, doc)
+  @batch_terms batch_terms |> String.split("\n", trim: true) |> Enum.map(&elem(Code.eval_string(&1), 0))
+  @batch_hex String.replace(batch_hex, ~r/\s/, "")
+
+  test "§1's batch example is what Moat.Protocol.batch/1 writes" do
+    frames = for {seq, g, op, outs, ins, attrs} <- @batch_terms, do: Moat.Protocol.request(seq, g, op, outs, ins, attrs)
+    assert length(frames) == 2
+    body = IO.iodata_to_binary(Moat.Protocol.batch(frames))
+    assert Base.encode16(<<byte_size(body)::32, body::binary>>, case: :lower) == @batch_hex
+  end
+
   test "the document has examples" do
     assert length(unquote(Macro.escape(examples))) >= 10
   end

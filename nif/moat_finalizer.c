@@ -15,8 +15,8 @@
  * into memory of this VM, and map_sealed/3 maps a worker's sealed readback
  * file. Neither leaves the VM depending on the worker's pages.
  *
- * And it holds each connection's outbox: the ordered queue of frames its
- * writer process sends as batch packets (see "outbox" below).
+ * And it holds each connection's outbox: the ordered queue of frames
+ * written to its port as batch packets (see "outbox" below).
  */
 #define _GNU_SOURCE
 #include <erl_nif.h>
@@ -453,25 +453,34 @@ static ERL_NIF_TERM read_memory(ErlNifEnv* env, int argc, const ERL_NIF_TERM arg
 
 /* The outbox of a worker's connection (Moat.Writer, docs/latency.md
  * "Batched writes"): frames queued by any process, in the order of their
- * pushes, for the connection's one writer process, which takes them all at
- * once and writes them as one batch packet (protocol.md §1, "Batches").
+ * pushes, written to the port as batch packets (protocol.md §1, "Batches").
+ *
+ * Every write of queued frames happens here, under the outbox's lock, with
+ * enif_port_command (which enqueues the packet on the port before it
+ * returns and never suspends its caller): so frames reach the port in the
+ * order they were pushed whoever writes them, and no process can die
+ * holding frames it took (they never leave the outbox but into the port).
+ * The writer process flushes when woken by the first push into an empty
+ * outbox; a call flushes the queue itself with its own frame as the last
+ * of the batch (outbox_call/2), so it never waits for the writer.
  *
  * Queued terms live in the outbox's own environment (enif_make_copy, which
- * shares refc binaries), cleared whenever the writer takes everything.
- * `in_flight` is set by a take that found frames and cleared by the take
- * that finds none, so it covers the writer's write: a call may write
- * directly only while nothing is queued and nothing is being written. The
- * outbox monitors its writer: when the writer dies it closes, its queued
- * frames are dropped, and every later push answers `closed`. */
+ * shares refc binaries), cleared at each flush. The outbox monitors its
+ * writer: when the writer dies it closes, its queued frames are dropped,
+ * and every later push answers `closed`; so does a write the port refuses
+ * (it is closed: the worker died). */
+#define BATCH_FRAMES 256
+
 typedef struct {
   ErlNifMutex* lock;
   ErlNifPid writer;
+  ErlNifPort port;
   ErlNifMonitor monitor;
   ErlNifEnv* env;
   ERL_NIF_TERM* frames;
+  size_t* sizes;
   size_t len, cap;
-  int woken;     /* a {moat_outbox} is on its way, not yet followed by an empty take */
-  int in_flight; /* the writer holds frames it took and has not written yet */
+  int woken; /* a {moat_outbox} is on its way, not yet followed by a flush */
   int closed;
 } outbox;
 
@@ -482,7 +491,9 @@ static ERL_NIF_TERM atom_direct;
 static ERL_NIF_TERM atom_closed;
 
 static void outbox_drop(outbox* o) {
-  o->len = 0;
+  /* Release: a caller that reads 0 without the lock (outbox_call) sees the
+   * port command that wrote the frames too. */
+  __atomic_store_n(&o->len, 0, __ATOMIC_RELEASE);
   if (o->env != NULL) enif_clear_env(o->env);
 }
 
@@ -491,6 +502,7 @@ static void outbox_dtor(ErlNifEnv* env, void* obj) {
   (void)env;
   if (o->env != NULL) enif_free_env(o->env);
   if (o->frames != NULL) enif_free(o->frames);
+  if (o->sizes != NULL) enif_free(o->sizes);
   if (o->lock != NULL) enif_mutex_destroy(o->lock);
 }
 
@@ -505,15 +517,19 @@ static void outbox_down(ErlNifEnv* env, void* obj, ErlNifPid* pid, ErlNifMonitor
   enif_mutex_unlock(o->lock);
 }
 
-/* outbox_new(WriterPid) -> Outbox */
+/* outbox_new(WriterPid, Port) -> Outbox */
 static ERL_NIF_TERM outbox_new(ErlNifEnv* env, int argc, const ERL_NIF_TERM argv[]) {
   ErlNifPid writer;
+  ErlNifPort port;
   (void)argc;
-  if (!enif_get_local_pid(env, argv[0], &writer)) return enif_make_badarg(env);
+  if (!enif_get_local_pid(env, argv[0], &writer) || !enif_get_local_port(env, argv[1], &port)) {
+    return enif_make_badarg(env);
+  }
   outbox* o = enif_alloc_resource(OUTBOX, sizeof(outbox));
   if (o == NULL) return enif_raise_exception(env, enif_make_atom(env, "enomem"));
   memset(o, 0, sizeof(outbox));
   o->writer = writer;
+  o->port = port;
   o->lock = enif_mutex_create("moat_outbox");
   o->env = enif_alloc_env();
   if (o->lock == NULL || o->env == NULL) {
@@ -527,92 +543,167 @@ static ERL_NIF_TERM outbox_new(ErlNifEnv* env, int argc, const ERL_NIF_TERM argv
   return term;
 }
 
-/* Queues `frame`; returns the atom to answer, and whether to wake the
- * writer. Call with the lock held. */
-static ERL_NIF_TERM outbox_append(outbox* o, ERL_NIF_TERM frame, int* wake) {
+/* The byte size of iodata `t`, or 0 when it is not iodata (a frame is
+ * never empty: it holds at least its header length). */
+static int iodata_size(ErlNifEnv* env, ERL_NIF_TERM t, size_t* n, int depth) {
+  ErlNifBinary b;
+  ERL_NIF_TERM head;
+  int byte;
+  if (enif_inspect_binary(env, t, &b)) {
+    *n += b.size;
+    return 1;
+  }
+  if (depth > 32) return 0;
+  while (enif_get_list_cell(env, t, &head, &t)) {
+    if (enif_get_int(env, head, &byte)) {
+      if (byte < 0 || byte > 255) return 0;
+      *n += 1;
+    } else if (!iodata_size(env, head, n, depth + 1)) {
+      return 0;
+    }
+  }
+  if (enif_is_empty_list(env, t)) return 1;
+  if (enif_inspect_binary(env, t, &b)) {
+    *n += b.size;
+    return 1;
+  }
+  return 0;
+}
+
+/* Queues `frame` of `size` bytes. Call with the lock held; 0 without memory. */
+static int outbox_append(outbox* o, ERL_NIF_TERM frame, size_t size) {
   if (o->len == o->cap) {
     size_t cap = o->cap ? o->cap * 2 : 256;
     ERL_NIF_TERM* frames = enif_realloc(o->frames, cap * sizeof(ERL_NIF_TERM));
     if (frames == NULL) return 0;
     o->frames = frames;
+    size_t* sizes = enif_realloc(o->sizes, cap * sizeof(size_t));
+    if (sizes == NULL) return 0;
+    o->sizes = sizes;
     o->cap = cap;
   }
-  o->frames[o->len++] = enif_make_copy(o->env, frame);
-  *wake = !o->woken;
-  o->woken = 1;
-  return atom_ok;
+  o->frames[o->len] = enif_make_copy(o->env, frame);
+  o->sizes[o->len] = size;
+  o->len++;
+  return 1;
 }
 
-static ERL_NIF_TERM push(ErlNifEnv* env, const ERL_NIF_TERM argv[], int call) {
+static ERL_NIF_TERM u32_binary(ErlNifEnv* env, size_t n) {
+  ERL_NIF_TERM term;
+  unsigned char* p = enif_make_new_binary(env, 4, &term);
+  p[0] = (unsigned char)(n >> 24);
+  p[1] = (unsigned char)(n >> 16);
+  p[2] = (unsigned char)(n >> 8);
+  p[3] = (unsigned char)n;
+  return term;
+}
+
+/* Writes everything queued as batch packets of at most BATCH_FRAMES frames,
+ * in order, and empties the queue. Call with the lock held; 0 when the port
+ * refused (it is closed), which closes the outbox. */
+static int outbox_write(ErlNifEnv* env, outbox* o) {
+  int ok = 1;
+  for (size_t start = 0; ok && start < o->len; start += BATCH_FRAMES) {
+    size_t end = start + BATCH_FRAMES < o->len ? start + BATCH_FRAMES : o->len;
+    ERL_NIF_TERM list = enif_make_list(o->env, 0);
+    for (size_t i = end; i > start; i--) {
+      list = enif_make_list_cell(o->env, o->frames[i - 1], list);
+      list = enif_make_list_cell(o->env, u32_binary(o->env, o->sizes[i - 1]), list);
+    }
+    list = enif_make_list_cell(o->env, u32_binary(o->env, 0), list);
+    ok = enif_port_command(env, &o->port, o->env, list);
+  }
+  outbox_drop(o);
+  if (!ok) o->closed = 1;
+  return ok;
+}
+
+static void wake_writer(ErlNifEnv* env, ErlNifPid* writer) {
+  ErlNifEnv* msg_env = enif_alloc_env();
+  if (msg_env == NULL) return;
+  enif_send(env, writer, msg_env, enif_make_tuple1(msg_env, atom_moat_outbox));
+  enif_free_env(msg_env);
+}
+
+/* outbox_push(Outbox, Frame) -> ok | closed. Frame (iodata) is queued
+ * behind every frame pushed before it; the first push after a flush wakes
+ * the writer. */
+static ERL_NIF_TERM outbox_push(ErlNifEnv* env, int argc, const ERL_NIF_TERM argv[]) {
   outbox* o;
-  if (!enif_get_resource(env, argv[0], OUTBOX, (void**)&o)) return enif_make_badarg(env);
-  int wake = 0;
-  ERL_NIF_TERM answer;
+  size_t size = 0;
+  (void)argc;
+  if (!enif_get_resource(env, argv[0], OUTBOX, (void**)&o) || !iodata_size(env, argv[1], &size, 0)) {
+    return enif_make_badarg(env);
+  }
+  int wake = 0, appended = 1;
+  ERL_NIF_TERM answer = atom_ok;
   enif_mutex_lock(o->lock);
-  if (o->closed) answer = atom_closed;
-  else if (call && o->len == 0 && !o->in_flight) answer = atom_direct;
-  else answer = outbox_append(o, argv[1], &wake);
+  if (o->closed) {
+    answer = atom_closed;
+  } else {
+    appended = outbox_append(o, argv[1], size);
+    wake = appended && !o->woken;
+    if (wake) o->woken = 1;
+  }
   ErlNifPid writer = o->writer;
   enif_mutex_unlock(o->lock);
-  if (answer == 0) return enif_raise_exception(env, enif_make_atom(env, "enomem"));
-  if (wake) {
-    ErlNifEnv* msg_env = enif_alloc_env();
-    if (msg_env != NULL) {
-      enif_send(env, &writer, msg_env, enif_make_tuple1(msg_env, atom_moat_outbox));
-      enif_free_env(msg_env);
-    }
-  }
+  if (!appended) return enif_raise_exception(env, enif_make_atom(env, "enomem"));
+  if (wake) wake_writer(env, &writer);
   return answer;
 }
 
-/* outbox_push(Outbox, Frame) -> ok | closed. Frame is queued behind every
- * frame pushed before it. */
-static ERL_NIF_TERM outbox_push(ErlNifEnv* env, int argc, const ERL_NIF_TERM argv[]) {
-  (void)argc;
-  return push(env, argv, 0);
-}
-
-/* outbox_call(Outbox, Frame) -> direct | ok | closed. `direct` (nothing
- * queued, nothing being written: the caller writes Frame itself) or as
- * outbox_push/2. */
+/* outbox_call(Outbox, Frame) -> direct | ok | closed. With nothing queued:
+ * `direct`, and the caller writes Frame itself (Port.command/2). Otherwise
+ * Frame is written now, as the last frame of a batch of everything queued
+ * (ok), or the port is closed (closed). */
 static ERL_NIF_TERM outbox_call(ErlNifEnv* env, int argc, const ERL_NIF_TERM argv[]) {
-  (void)argc;
-  return push(env, argv, 1);
-}
-
-/* outbox_take(Outbox) -> [Frame] (everything queued, in order) | closed.
- * For the writer only: a take that finds frames sets in_flight, one that
- * finds none clears it and lets the next push wake the writer again. */
-static ERL_NIF_TERM outbox_take(ErlNifEnv* env, int argc, const ERL_NIF_TERM argv[]) {
   outbox* o;
+  size_t size = 0;
   (void)argc;
   if (!enif_get_resource(env, argv[0], OUTBOX, (void**)&o)) return enif_make_badarg(env);
+  /* With nothing queued, Port.command/2 checks the frame. */
+  if (__atomic_load_n(&o->len, __ATOMIC_ACQUIRE) == 0 && !__atomic_load_n(&o->closed, __ATOMIC_ACQUIRE)) {
+    return atom_direct;
+  }
+  if (!iodata_size(env, argv[1], &size, 0)) return enif_make_badarg(env);
+  ERL_NIF_TERM answer;
   enif_mutex_lock(o->lock);
-  ERL_NIF_TERM list;
   if (o->closed) {
-    list = atom_closed;
+    answer = atom_closed;
+  } else if (o->len == 0) {
+    answer = atom_direct;
+  } else if (!outbox_append(o, argv[1], size)) {
+    answer = 0;
   } else {
-    list = enif_make_list(env, 0);
-    for (size_t i = o->len; i > 0; i--) list = enif_make_list_cell(env, enif_make_copy(env, o->frames[i - 1]), list);
-    o->in_flight = o->len > 0;
-    if (o->len == 0) o->woken = 0;
-    outbox_drop(o);
+    answer = outbox_write(env, o) ? atom_ok : atom_closed;
   }
   enif_mutex_unlock(o->lock);
-  return list;
+  if (answer == 0) return enif_raise_exception(env, enif_make_atom(env, "enomem"));
+  return answer;
 }
 
-/* outbox_close(Outbox) -> ok: drops what is queued; later pushes answer
- * closed (the writer's write failed: the port is closed). */
-static ERL_NIF_TERM outbox_close(ErlNifEnv* env, int argc, const ERL_NIF_TERM argv[]) {
+/* outbox_flush(Outbox) -> ok | closed: writes everything queued (the
+ * writer's job; also a sender's before it writes a large frame itself). */
+static ERL_NIF_TERM outbox_flush(ErlNifEnv* env, int argc, const ERL_NIF_TERM argv[]) {
   outbox* o;
   (void)argc;
   if (!enif_get_resource(env, argv[0], OUTBOX, (void**)&o)) return enif_make_badarg(env);
   enif_mutex_lock(o->lock);
-  o->closed = 1;
-  outbox_drop(o);
+  ERL_NIF_TERM answer = o->closed ? atom_closed : outbox_write(env, o) ? atom_ok : atom_closed;
+  o->woken = 0;
   enif_mutex_unlock(o->lock);
-  return atom_ok;
+  return answer;
+}
+
+/* outbox_queued(Outbox) -> the number of frames queued (for tests). */
+static ERL_NIF_TERM outbox_queued(ErlNifEnv* env, int argc, const ERL_NIF_TERM argv[]) {
+  outbox* o;
+  (void)argc;
+  if (!enif_get_resource(env, argv[0], OUTBOX, (void**)&o)) return enif_make_badarg(env);
+  enif_mutex_lock(o->lock);
+  size_t n = o->len;
+  enif_mutex_unlock(o->lock);
+  return enif_make_uint64(env, n);
 }
 
 static ERL_NIF_TERM loaded(ErlNifEnv* env, int argc, const ERL_NIF_TERM argv[]) {
@@ -671,11 +762,11 @@ static ErlNifFunc funcs[] = {
     {"map_sealed", 3, map_sealed, 0},
     {"read_memory", 5, read_memory, ERL_NIF_DIRTY_JOB_CPU_BOUND},
     {"trim_pool", 0, trim_pool, 0},
-    {"outbox_new", 1, outbox_new, 0},
+    {"outbox_new", 2, outbox_new, 0},
     {"outbox_push", 2, outbox_push, 0},
     {"outbox_call", 2, outbox_call, 0},
-    {"outbox_take", 1, outbox_take, 0},
-    {"outbox_close", 1, outbox_close, 0},
+    {"outbox_flush", 1, outbox_flush, 0},
+    {"outbox_queued", 1, outbox_queued, 0},
 };
 
 ERL_NIF_INIT(Elixir.Moat.Finalizer, funcs, load, NULL, upgrade, NULL)

@@ -565,11 +565,12 @@ defmodule Moat.Client do
   # How a frame reaches the worker (docs/latency.md, "Batched writes"):
   # where the connection has an outbox (a local worker, with the finalizer
   # NIF), a cast pushes its frame there and returns, and the connection's
-  # writer (Moat.Writer) sends what piled up as one batch packet. The push
-  # is synchronous, so the order of pushes is the order of frames, whatever
-  # process pushed them: anything another process does with a handle comes
-  # after its creator's push. A frame counts against the window once it is
-  # pushed (the writer writes it unless the worker dies).
+  # writer (Moat.Writer) or the next call writes what piled up as one batch
+  # packet. The push is synchronous and every write of queued frames
+  # happens under the outbox's lock, so the order of pushes is the order of
+  # frames, whatever process pushed them: anything another process does
+  # with a handle comes after its creator's push. A frame counts against
+  # the window once it is pushed (it is written unless the worker dies).
   defp command(%__MODULE__{outbox: nil} = conn, op, iodata), do: direct(conn, op, iodata)
 
   defp command(conn, op, iodata) do
@@ -580,8 +581,9 @@ defmodule Moat.Client do
   end
 
   # A call (its caller waits for the reply) writes itself when nothing is
-  # queued or being written: every frame it may depend on is then on the
-  # port already. Behind queued frames, it rides in their batch.
+  # queued: every frame it may depend on is then on the port already.
+  # Behind queued frames, it writes them with its own frame last, in one
+  # batch (so a call never waits for the writer).
   defp command_call(%__MODULE__{outbox: nil} = conn, op, iodata), do: direct(conn, op, iodata)
 
   defp command_call(conn, op, iodata) do
@@ -593,39 +595,12 @@ defmodule Moat.Client do
   end
 
   # A frame with a large payload (an upload chunk): written by its sender
-  # when nothing is queued, else queued alone and waited for, so that at
-  # most one per sender waits in the outbox and the port's busy limit
-  # bounds the payload bytes in flight, as for a direct write.
+  # after everything queued before it, with `Port.command/2`, so that the
+  # port's busy limit still bounds the payload bytes in flight.
   defp command_large(conn, op, iodata) do
-    ref = make_ref()
-
-    case Finalizer.outbox_call(conn.outbox, {:notify, self(), ref, iodata}) do
-      :direct ->
-        direct(conn, op, iodata)
-
-      :ok ->
-        sent(conn)
-        await_written(conn, op, ref)
-
-      :closed ->
-        raise Error.new(:worker_unavailable, op, cause(conn))
-    end
-  end
-
-  defp await_written(conn, op, ref) do
-    mref = Process.monitor(conn.owner)
-
-    receive do
-      {^ref, :written} ->
-        Process.demonitor(mref, [:flush])
-        :ok
-
-      {^ref, :closed} ->
-        Process.demonitor(mref, [:flush])
-        raise Error.new(:worker_unavailable, op, cause(conn))
-
-      {:DOWN, ^mref, :process, _, reason} ->
-        raise Error.new(:worker_unavailable, op, died(reason, conn))
+    case Finalizer.outbox_flush(conn.outbox) do
+      :ok -> direct(conn, op, iodata)
+      :closed -> raise Error.new(:worker_unavailable, op, cause(conn))
     end
   end
 

@@ -122,26 +122,28 @@ defmodule Moat.Finalizer do
   # and callers write to the port themselves. (As in loaded?/0, the
   # fallbacks' answers are read from a key nobody writes.)
 
-  @doc "A connection's outbox, whose frames `writer` takes (`outbox_take/1`)."
-  @spec outbox_new(pid()) :: reference()
-  def outbox_new(writer) when is_pid(writer), do: :persistent_term.get({__MODULE__, :no_nif_outbox}, make_ref())
+  @doc "The outbox of the connection on `port`, flushed by `writer` (`outbox_flush/1`)."
+  @spec outbox_new(pid(), port()) :: reference()
+  def outbox_new(writer, port) when is_pid(writer) and is_port(port),
+    do: :persistent_term.get({__MODULE__, :no_nif_outbox}, make_ref())
 
   @doc "Queues `frame` behind every frame pushed before it: `:ok`, or `:closed`."
-  @spec outbox_push(reference(), term()) :: :ok | :closed
+  @spec outbox_push(reference(), iodata()) :: :ok | :closed
   def outbox_push(_outbox, _frame), do: :persistent_term.get({__MODULE__, :no_nif_outbox}, :closed)
 
   @doc """
-  `:direct` when nothing is queued or being written (the caller writes
-  `frame` itself), else as `outbox_push/2`.
+  `:direct` when nothing is queued (the caller writes `frame` itself); else
+  writes everything queued and `frame` last, as one batch: `:ok`, or
+  `:closed`.
   """
-  @spec outbox_call(reference(), term()) :: :direct | :ok | :closed
+  @spec outbox_call(reference(), iodata()) :: :direct | :ok | :closed
   def outbox_call(_outbox, _frame), do: :persistent_term.get({__MODULE__, :no_nif_outbox}, :closed)
 
-  @doc "Everything queued, in order (the writer's), or `:closed`."
-  @spec outbox_take(reference()) :: [term()] | :closed
-  def outbox_take(_outbox), do: :persistent_term.get({__MODULE__, :no_nif_outbox}, :closed)
+  @doc "Writes everything queued, in order, as batch packets: `:ok`, or `:closed`."
+  @spec outbox_flush(reference()) :: :ok | :closed
+  def outbox_flush(_outbox), do: :persistent_term.get({__MODULE__, :no_nif_outbox}, :closed)
 
-  @doc "Closes the outbox: what is queued is dropped, later pushes answer `:closed`."
-  @spec outbox_close(reference()) :: :ok
-  def outbox_close(_outbox), do: :ok
+  @doc "How many frames are queued."
+  @spec outbox_queued(reference()) :: non_neg_integer()
+  def outbox_queued(_outbox), do: :persistent_term.get({__MODULE__, :no_nif_outbox}, 0)
 end

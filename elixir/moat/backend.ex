@@ -726,6 +726,9 @@ defmodule Moat.Backend do
   # later read of it (a `while` condition in Nx.Defn.Evaluator, a loop
   # counter's `Nx.to_number`) takes no round trip. The op still goes to the
   # worker, which holds the tensor for everything else.
+  # (A result that is not an integer never keeps bytes: one match.)
+  defp with_host(%T{type: {kind, _}} = result, _name, _inputs) when kind not in [:s, :u], do: result
+
   defp with_host(%T{type: type, data: %__MODULE__{ref: %Ref{}}} = result, name, [a, b] = inputs) do
     with true <- host_integer?(type) and host_integer?(a.type) and host_integer?(b.type),
          true <- host_exact?(name, type, a.type, b.type),
@@ -1278,13 +1281,15 @@ defmodule Moat.Backend do
   defp op(
          %T{type: type} = out,
          name,
-         [%T{type: a_type, data: %__MODULE__{ref: %Ref{worker: worker} = a, device: device}}],
+         [%T{type: a_type, data: %__MODULE__{ref: %Ref{worker: worker} = a, device: device}}] = inputs,
          attrs
        )
        when is_map_key(@mlx_types, type) and is_map_key(@mlx_types, a_type) and
               (device == :cpu or type != {:f, 64}) do
+    # Recording takes the tensors (a captured one becomes a program input),
+    # not their handles.
     if Recorder.active?(),
-      do: native_op(out, name, [a], attrs),
+      do: native_op(out, name, inputs, attrs),
       else: sent_op(out, name, worker, device, [a], attrs)
   end
 

@@ -87,4 +87,27 @@ defmodule Moat.BackendDispatchTest do
     fun = Nx.Defn.jit(fn x, y -> x |> Nx.add(y) |> Nx.exp() |> Nx.sum() end, compiler: Moat.Compiler)
     assert_in_delta Nx.to_number(fun.(a, a)), :math.exp(2) + :math.exp(4), 1.0e-3
   end
+end  # Nx inlines a closure's Moat tensors onto Nx.BinaryBackend, so this
+  # drives the Recorder as a lowering does: a Moat tensor the graph holds
+  # (`Moat.Compiler`'s captures) is recorded as an input, never sent.
+  test "while recording, one-input and two-input ops on a Moat tensor become steps", %{one: w} do
+    alias Moat.Compiler.Recorder
+    c = on(w, [1.0, 2.0])
+    Recorder.start()
+
+    try do
+      Recorder.update(&%{&1 | scopes: [%{steps: [], memo: %{}, ids: MapSet.new()}]})
+      e = Nx.exp(c)
+      s = Nx.add(c, c)
+      assert %Recorder.Slot{} = e.data.ref
+      assert %Recorder.Slot{} = s.data.ref
+      %{scopes: [%{steps: steps}], captures: captures} = Recorder.get()
+      assert [{:add, [n, n], _, _}, {:exp, [n], _, _}] = steps
+      assert captures == %{{:ref, c.data.ref} => n}
+    after
+      Recorder.stop()
+    end
+
+    assert values(Nx.exp(c)) |> Enum.zip_with([1.0, 2.0], &assert_in_delta(&1, :math.exp(&2), 1.0e-4))
+  end
 end

@@ -221,12 +221,7 @@ defmodule Profile do
       {"`Moat.Handles.ids!/3` of two handles", fn -> Moat.Handles.ids!(conn, [one, one], :add) end},
       {"`Moat.Protocol.request/7`: encoding an add's frame", frame},
       {"`Port.command/2` of a `:sync` cast (seq 0: no reply)", fn -> Moat.Client.cast(conn, :sync, [], [], nil) end},
-      {"all of a raw add: new_id, ids!, ref, cast",
-       fn ->
-         id = Moat.Client.new_id()
-         Moat.Client.cast(conn, :add, [id], Moat.Handles.ids!(conn, [one, one], :add), %{type: {:f, 32}})
-         Moat.Handles.ref(conn, id)
-       end},
+      {"all of a raw add: new_id, ids!, ref, cast", fn -> raw_add(conn, one) end},
       {"a chain of `Nx.add` on Nx.BinaryBackend (bench/latency.exs)", chain(bin)},
       {"a chain of `Nx.add` on Moat.Backend (bench/latency.exs)", chain(small)},
       {"`Nx.add` on Moat.Backend", fn -> Nx.add(small, small) end},
@@ -242,6 +237,13 @@ defmodule Profile do
       :erlang.garbage_collect()
       row([label, fmt(each)])
     end
+  end
+
+  # What Moat.Backend's add sends, without the backend: new_id, ids!, ref, cast.
+  defp raw_add(conn, one) do
+    id = Moat.Client.new_id()
+    Moat.Client.cast(conn, :add, [id], Moat.Handles.ids!(conn, [one, one], :add), %{type: {:f, 32}})
+    Moat.Handles.ref(conn, id)
   end
 
   ## frontend
@@ -271,12 +273,7 @@ defmodule Profile do
       {"a chain of `Nx.add` on Moat.Backend (bench/latency.exs)", chain(small)},
       {"`Nx.add` on Moat.Backend", fn -> Nx.add(small, small) end},
       {"`Moat.Backend.add/3` (no Nx front end)", fn -> Moat.Backend.add(out, small, small) end},
-      {"raw add: new_id, ids!, ref, cast",
-       fn ->
-         id = Moat.Client.new_id()
-         Moat.Client.cast(conn, :add, [id], Moat.Handles.ids!(conn, [one, one], :add), %{type: {:f, 32}})
-         Moat.Handles.ref(conn, id)
-       end},
+      {"raw add: new_id, ids!, ref, cast", fn -> raw_add(conn, one) end},
       {"`Moat.Client.cast/5` of a `:sync` (admit, encode, Port.command)",
        fn -> Moat.Client.cast(conn, :sync, [], [], nil) end},
       {"`Moat.Protocol.request/7`: encoding an add's frame",

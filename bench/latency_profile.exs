@@ -9,12 +9,22 @@
 #                      to $MOAT_STAMPS (default /tmp/moat_stamps.bin)
 #   join STDERR_LOG    joins those stamps into the hop table
 #   dispatch           the caller's cost of each part of a fire-and-forget op
+#   frontend           Moat.Backend's front end of a fire-and-forget `Nx.add`,
+#                      step by step (each step alone, 20,000 in a row,
+#                      round by round beside Nx.BinaryBackend's add)
 #   eprof              where a chain of fire-and-forget `Nx.add`s spends the
 #                      caller's time, function by function (:eprof; its own
 #                      overhead inflates every row: read the shares)
 #   ab BEFORE AFTER    two worker binaries side by side in one VM: paired wall
 #                      medians, and per call the worker's CPU time and context
 #                      switches (from /proc, which load does not move much)
+
+# A backend whose add returns its output template: Nx's own front end alone.
+defmodule Profile.NullBackend do
+  @moduledoc false
+  defstruct []
+  def add(out, _a, _b), do: %{out | data: %__MODULE__{}}
+end
 
 defmodule Profile do
   import Bench
@@ -25,6 +35,7 @@ defmodule Profile do
   def main(["ab", before, after_]), do: ab(before, after_)
   def main(["dispatch"]), do: dispatch()
   def main(["eprof"]), do: eprof()
+  def main(["frontend"]), do: frontend()
   def main(_), do: paths()
 
   ## paths
@@ -210,12 +221,9 @@ defmodule Profile do
       {"`Moat.Handles.ids!/3` of two handles", fn -> Moat.Handles.ids!(conn, [one, one], :add) end},
       {"`Moat.Protocol.request/7`: encoding an add's frame", frame},
       {"`Port.command/2` of a `:sync` cast (seq 0: no reply)", fn -> Moat.Client.cast(conn, :sync, [], [], nil) end},
-      {"all of a raw add: new_id, ids!, ref, cast",
-       fn ->
-         id = Moat.Client.new_id()
-         Moat.Client.cast(conn, :add, [id], Moat.Handles.ids!(conn, [one, one], :add), %{type: {:f, 32}})
-         Moat.Handles.ref(conn, id)
-       end},
+      {"all of a raw add: new_id, ids!, ref, cast", fn -> raw_add(conn, one) end},
+      {"a chain of `Nx.add` on Nx.BinaryBackend (bench/latency.exs)", chain(bin)},
+      {"a chain of `Nx.add` on Moat.Backend (bench/latency.exs)", chain(small)},
       {"`Nx.add` on Moat.Backend", fn -> Nx.add(small, small) end},
       {"`Nx.add` on Nx.BinaryBackend", fn -> Nx.add(bin, bin) end}
     ]
@@ -228,6 +236,105 @@ defmodule Profile do
       {:ok, _, _} = Moat.Client.call(conn, :sync, [], nil)
       :erlang.garbage_collect()
       row([label, fmt(each)])
+    end
+  end
+
+  # What Moat.Backend's add sends, without the backend: new_id, ids!, ref, cast.
+  defp raw_add(conn, one) do
+    id = Moat.Client.new_id()
+    Moat.Client.cast(conn, :add, [id], Moat.Handles.ids!(conn, [one, one], :add), %{type: {:f, 32}})
+    Moat.Handles.ref(conn, id)
+  end
+
+  ## frontend
+
+  # Each step of Moat.Backend's path for `Nx.add(a, b)` of two f32[4], timed
+  # alone (public functions only, so that the same script measures an older
+  # tree). Rows are cumulative where they say so: "callback" is
+  # `Moat.Backend.add/3` called directly (no Nx front end), "Nx.add" all of
+  # it. Round by round, so that load moves every row alike.
+  defp frontend do
+    small = moat(f32(4, 1.5), {4})
+    one = small.data.ref
+    conn = Moat.Client.conn(Moat.Worker)
+    out = %{small | data: nil}
+    bin = Nx.tensor([1.5, 1.5, 1.5, 1.5], type: :f32, backend: Nx.BinaryBackend)
+    bout = %{bin | data: nil}
+    n = 20_000
+    rounds = String.to_integer(System.get_env("PROFILE_ROUNDS", "9"))
+
+    null = %{bin | data: %Profile.NullBackend{}}
+
+    parts = [
+      {"`Nx.add` on a backend whose add does nothing: Nx's front end", fn -> Nx.add(null, null) end},
+      {"`Nx.add` on Nx.BinaryBackend", fn -> Nx.add(bin, bin) end},
+      {"`Nx.BinaryBackend.add/3` (no Nx front end)", fn -> Nx.BinaryBackend.add(bout, bin, bin) end},
+      {"a chain of `Nx.add` on Nx.BinaryBackend (bench/latency.exs)", chain(bin)},
+      {"a chain of `Nx.add` on Moat.Backend (bench/latency.exs)", chain(small)},
+      {"`Nx.add` on Moat.Backend", fn -> Nx.add(small, small) end},
+      {"`Moat.Backend.add/3` (no Nx front end)", fn -> Moat.Backend.add(out, small, small) end},
+      {"raw add: new_id, ids!, ref, cast", fn -> raw_add(conn, one) end},
+      {"`Moat.Client.cast/5` of a `:sync` (admit, encode, Port.command)",
+       fn -> Moat.Client.cast(conn, :sync, [], [], nil) end},
+      {"`Moat.Protocol.request/7`: encoding an add's frame",
+       fn -> Moat.Protocol.request(0, conn.generation, :add, [123], [1, 2], %{type: {:f, 32}}) end},
+      {"`Moat.Handles.ref/2`", fn -> Moat.Handles.ref(conn, Moat.Client.new_id()) end},
+      {"`Moat.Finalizer.new/2` (and the token's destructor, at GC)", fn -> Moat.Finalizer.new(conn.releaser, 1) end},
+      {"`Moat.Handles.ids!/3` of two handles", fn -> Moat.Handles.ids!(conn, [one, one], :add) end},
+      {"`Moat.Quantized.any?/1` of two inputs", fn -> Moat.Quantized.any?([small, small]) end},
+      {"`Moat.Types.route/3`", fn -> Moat.Types.route(:add, out, [small, small]) end},
+      {"`Moat.Compiler.Recorder.active?/0`", fn -> Moat.Compiler.Recorder.active?() end},
+      {"`Moat.Client.conn/1`", fn -> Moat.Client.conn(Moat.Worker) end},
+      {"`Moat.check_type!/1`", fn -> Moat.check_type!({:f, 32}) end},
+      {"the loop itself (an empty fn)", fn -> :ok end}
+    ]
+
+    for {_, f} <- parts, do: run_n(f, 2_000)
+
+    vm = System.pid()
+
+    results =
+      for _ <- 1..rounds, {label, f} <- parts, reduce: %{} do
+        acc ->
+          cpu0 = cpu_ns(vm)
+          each = time_us(fn -> run_n(f, n) end) / n
+          cpu1 = cpu_ns(vm)
+          {:ok, _, _} = Moat.Client.call(conn, :sync, [], nil)
+          :erlang.garbage_collect()
+          Map.update(acc, label, [{each, (cpu1 - cpu0) / n / 1000}], &[{each, (cpu1 - cpu0) / n / 1000} | &1])
+      end
+
+    # Results are dropped as they come (a `for` would hold 20,000 of them,
+    # and every garbage collection would copy them). The VM's CPU time (every thread of its OS process, from /proc) is what
+    # the caller spent, whatever else the machine runs (the worker included).
+    row(["step (#{n} in a row, median of #{rounds} rounds)", "wall µs each", "VM CPU µs each"])
+    row(["---", "---:", "---:"])
+
+    for {label, _} <- parts do
+      xs = results[label]
+      row([label, fmt(median(Enum.map(xs, &elem(&1, 0)))), fmt(median(Enum.map(xs, &elem(&1, 1))))])
+    end
+  end
+
+  # bench/latency.exs's chain, n long: acc = Nx.add(acc, start).
+  defp chain(start), do: {:n, fn n -> Enum.reduce(1..n, start, fn _, acc -> Nx.add(acc, start) end) end}
+
+  defp run_n({:n, f}, n), do: f.(n)
+  defp run_n(f, n), do: repeat(n, f)
+
+  defp repeat(0, _f), do: :ok
+
+  defp repeat(n, f) do
+    f.()
+    repeat(n - 1, f)
+  end
+
+  # The CPU ns of every thread of an OS process (schedstat's first field).
+  defp cpu_ns(os_pid) do
+    for tid <- File.ls!("/proc/#{os_pid}/task"), reduce: 0 do
+      acc ->
+        [run | _] = String.split(File.read!("/proc/#{os_pid}/task/#{tid}/schedstat"))
+        acc + String.to_integer(run)
     end
   end
 

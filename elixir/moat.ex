@@ -352,9 +352,16 @@ defmodule Moat do
   @spec reset_peak_memory(atom()) :: :ok
   def reset_peak_memory(worker \\ Moat.Worker), do: memory_call(worker, :reset_peak_memory, nil)
 
-  @doc "Returns the worker's cached buffers to the system."
+  @doc """
+  Returns the worker's cached buffers to the system, and this VM's few
+  readback buffers kept for reuse (`Moat.Finalizer.trim_pool/0`: large
+  readbacks copied out of a worker's memory land in them).
+  """
   @spec clear_cache(atom()) :: :ok
-  def clear_cache(worker \\ Moat.Worker), do: memory_call(worker, :clear_cache, nil)
+  def clear_cache(worker \\ Moat.Worker) do
+    Moat.Finalizer.trim_pool()
+    memory_call(worker, :clear_cache, nil)
+  end
 
   @doc """
   Sets how many bytes of freed buffers the worker keeps for reuse (0 turns

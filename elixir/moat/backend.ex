@@ -288,6 +288,9 @@ defmodule Moat.Backend do
 
   @emulated Moat.Types.emulated()
 
+  # The types MLX has (`Moat.check_type!/1` passes them), as map keys for guards.
+  @mlx_types Map.new(Moat.supported_types(), &{&1, true})
+
   @enforce_keys [:ref]
   defstruct [:ref, device: :cpu, quant: nil, host: nil, host_scope: nil]
 
@@ -723,6 +726,9 @@ defmodule Moat.Backend do
   # later read of it (a `while` condition in Nx.Defn.Evaluator, a loop
   # counter's `Nx.to_number`) takes no round trip. The op still goes to the
   # worker, which holds the tensor for everything else.
+  # (A result that is not an integer never keeps bytes: one match.)
+  defp with_host(%T{type: {kind, _}} = result, _name, _inputs) when kind not in [:s, :u], do: result
+
   defp with_host(%T{type: type, data: %__MODULE__{ref: %Ref{}}} = result, name, [a, b] = inputs) do
     with true <- host_integer?(type) and host_integer?(a.type) and host_integer?(b.type),
          true <- host_exact?(name, type, a.type, b.type),
@@ -1265,6 +1271,44 @@ defmodule Moat.Backend do
 
   # Sends one graph-building op and returns `out` bound to its result.
   # Types MLX does not have are held and computed as Moat.Types says.
+  #
+  # The common case first, in one pattern match: one or two inputs, Moat
+  # tensors of one worker incarnation's handles (a Recorder slot is no
+  # `Moat.Ref`), of types MLX has, an output type MLX has (so
+  # `Moat.check_type!/1` would pass) and not f64 on the GPU (so `gpu_type!/3`
+  # would pass). Anything else takes the clauses after these, which check
+  # and raise as always.
+  defp op(
+         %T{type: type} = out,
+         name,
+         [%T{type: a_type, data: %__MODULE__{ref: %Ref{worker: worker} = a, device: device}}] = inputs,
+         attrs
+       )
+       when is_map_key(@mlx_types, type) and is_map_key(@mlx_types, a_type) and
+              (device == :cpu or type != {:f, 64}) do
+    # Recording takes the tensors (a captured one becomes a program input),
+    # not their handles.
+    if Recorder.active?(),
+      do: native_op(out, name, inputs, attrs),
+      else: sent_op(out, name, worker, device, [a], attrs)
+  end
+
+  defp op(
+         %T{type: type} = out,
+         name,
+         [
+           %T{type: a_type, data: %__MODULE__{ref: %Ref{worker: worker} = a, device: device}},
+           %T{type: b_type, data: %__MODULE__{ref: %Ref{worker: worker} = b}}
+         ] = inputs,
+         attrs
+       )
+       when is_map_key(@mlx_types, type) and is_map_key(@mlx_types, a_type) and
+              is_map_key(@mlx_types, b_type) and (device == :cpu or type != {:f, 64}) do
+    if Recorder.active?(),
+      do: native_op(out, name, inputs, attrs),
+      else: sent_op(out, name, worker, device, [a, b], attrs)
+  end
+
   defp op(%T{type: type} = out, name, inputs, attrs) when type in @emulated do
     {result} = multi_op({out}, name, inputs, attrs)
     result
@@ -1296,19 +1340,25 @@ defmodule Moat.Backend do
          not Recorder.active?() do
       Moat.check_type!(out.type)
       gpu_type!(out.type, device, name)
-      conn = Client.conn(worker)
-      ids = Handles.ids!(conn, Enum.map(inputs, &ref/1), name)
-      id = Client.new_id()
-      # The handle exists before the frame that defines its id (see multi_op).
-      handle = Handles.ref(conn, id)
-      Client.cast(conn, name, [id], ids, attrs)
-      %{out | data: %__MODULE__{ref: handle, device: device}}
+      sent_op(out, name, worker, device, Enum.map(inputs, &ref/1), attrs)
     else
       single_op(out, name, inputs, attrs)
     end
   end
 
   defp native_op(%T{} = out, name, inputs, attrs), do: single_op(out, name, inputs, attrs)
+
+  # native_op's send, for handles `refs` of `worker` whose types op/4 has
+  # checked.
+  defp sent_op(out, name, worker, device, refs, attrs) do
+    conn = Client.conn(worker)
+    ids = Handles.ids!(conn, refs, name)
+    id = Client.new_id()
+    # The handle exists before the frame that defines its id (see multi_op).
+    handle = Handles.ref(conn, id)
+    Client.cast(conn, name, [id], ids, attrs)
+    %{out | data: %__MODULE__{ref: handle, device: device}}
+  end
 
   defp single_op(out, name, inputs, attrs) do
     {result} = native_multi_op({out}, name, inputs, attrs)
@@ -1410,9 +1460,51 @@ defmodule Moat.Backend do
               [backend_copy: 3, backend_transfer: 3, backend_deallocate: 1, to_pointer: 2] ++
               [from_pointer: 5, reduce: 5, window_reduce: 6, block: 4]
 
+  # Callbacks whose leading arguments are tensors (the output first), by
+  # how many, and whose other arguments never hold one (axes, shapes,
+  # options of integers and booleans). Where those tensors are Moat tensors
+  # that are not quantized and all of types MLX has, the checks below answer
+  # :native without walking the arguments: one pattern match decides.
+  @tensor_args Map.new(
+                 (@unary_ops ++ @binary_ops ++ @comparison_ops) ++
+                   [:left_shift, :right_shift, :atan2, :quotient, :remainder] ++
+                   [:population_count, :count_leading_zeros, :as_type, :bitcast, :reshape],
+                 &{&1, :all}
+               )
+               |> Map.merge(
+                 Map.new(
+                   [:squeeze, :broadcast, :transpose, :reverse, :sum, :product, :reduce_max] ++
+                     [:reduce_min, :all, :any, :argmax, :argmin],
+                   &{&1, 2}
+                 )
+               )
+
   for {name, arity} <- Nx.Backend.behaviour_info(:callbacks) -- @unrouted do
     args = Macro.generate_arguments(arity, __MODULE__)
     defoverridable [{name, arity}]
+
+    if leading = @tensor_args[name] do
+      {tensor_args, other_args} = Enum.split(args, if(leading == :all, do: arity, else: leading))
+      [out_arg | input_args] = tensor_args
+      types = Macro.generate_unique_arguments(length(tensor_args), __MODULE__)
+      [out_type | input_types] = types
+
+      patterns =
+        [
+          quote(do: %T{type: unquote(out_type)} = unquote(out_arg))
+          | Enum.zip_with(input_args, input_types, fn arg, type ->
+              quote(do: %T{type: unquote(type), data: %__MODULE__{quant: nil}} = unquote(arg))
+            end)
+        ] ++ other_args
+
+      guard =
+        types
+        |> Enum.map(&quote(do: is_map_key(@mlx_types, unquote(&1))))
+        |> Enum.reduce(&quote(do: unquote(&2) and unquote(&1)))
+
+      @impl true
+      def unquote(name)(unquote_splicing(patterns)) when unquote(guard), do: super(unquote_splicing(args))
+    end
 
     @impl true
     def unquote(name)(unquote_splicing(args)) do

@@ -57,17 +57,27 @@ defmodule Moat.Shared do
   @spec negotiate(map(), non_neg_integer(), true | :sealed_files) :: t() | nil
   def negotiate(info, threshold, mode \\ true)
 
-  def negotiate(%{shared_memory: %{address: address, nonce: nonce}, os_pid: os_pid}, threshold, mode)
+  def negotiate(%{shared_memory: %{address: address, nonce: nonce}, os_pid: os_pid} = info, threshold, mode)
       when is_integer(address) and byte_size(nonce) == @probe_bytes and mode in [true, :sealed_files] do
     shared = %{mem: "/proc/#{os_pid}/mem", address: address, nonce: nonce, threshold: threshold, os_pid: os_pid}
 
     # Every way checks the probe first: a pid that is not this worker's
-    # leaves the pipe.
+    # leaves the pipe. A GPU worker keeps sealed files: MLX's CUDA allocator
+    # puts every buffer in CUDA managed memory, which the worker itself can
+    # copy from, but process_vm_readv has not been tried on it (it pins the
+    # remote pages; /proc/<pid>/mem and sealed copies do not).
     cond do
-      mode == true and match?({:ok, _}, read_memory(shared, address, 0)) -> Map.put(shared, :via, :process_vm)
-      not match?({:ok, _}, read(shared, address, 0)) -> nil
-      Finalizer.loaded?() -> Map.put(shared, :via, :sealed)
-      true -> Map.put(shared, :via, :proc_mem)
+      mode == true and :gpu not in Map.get(info, :devices, []) and match?({:ok, _}, read_memory(shared, address, 0)) ->
+        Map.put(shared, :via, :process_vm)
+
+      not match?({:ok, _}, read(shared, address, 0)) ->
+        nil
+
+      Finalizer.loaded?() ->
+        Map.put(shared, :via, :sealed)
+
+      true ->
+        Map.put(shared, :via, :proc_mem)
     end
   end
 

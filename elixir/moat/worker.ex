@@ -63,7 +63,8 @@ defmodule Moat.Worker do
       the worker maps as the tensor. Readbacks are copied out of the
       worker's memory into memory of this VM (`process_vm_readv`, one copy
       at memory speed), or, where the kernel refuses that (a ptrace
-      restriction), mapped from a sealed file the worker copies the tensor
+      restriction) and on GPU workers (whose buffers are CUDA managed
+      memory), mapped from a sealed file the worker copies the tensor
       into. Each is one copy where the pipe makes two or three, and faster
       from about 1 MiB up (bench/foundation.exs, bench/readback.exs).
       `:sealed_files` takes sealed files for readbacks even where the

@@ -67,25 +67,32 @@ defmodule Moat.MemoryReadbackTest do
     assert {:shared_memory, ^data} = read_back(ref)
   end
 
-  test "a readback copied into the VM stays readable and correct after its worker is killed" do
-    name = :memory_killed
-    w = start_worker(name, log_level: :error)
-    data = bytes(8 * @mib)
-    ref = Moat.from_binary(data, {8 * @mib}, {:u, 8}, worker: w)
-    assert {:shared_memory, held} = read_back(ref)
-    generation = Moat.Worker.info(w).generation
-    pid = os_pid(w)
+  # Both ways of reading back large tensors: a copy into the VM's memory,
+  # and a sealed file mapped as a binary (whose pages belong to the mapping
+  # once the worker is gone).
+  for {mode, via} <- [{true, :process_vm}, {:sealed_files, :sealed}] do
+    test "a #{via} readback stays readable and correct after its worker is killed" do
+      name = :"memory_killed_#{unquote(via)}"
+      w = start_worker(name, shared_memory: unquote(mode), log_level: :error)
+      assert Client.conn(w).shared.via == unquote(via)
+      data = bytes(8 * @mib)
+      ref = Moat.from_binary(data, {8 * @mib}, {:u, 8}, worker: w)
+      assert {:shared_memory, held} = read_back(ref)
+      generation = Moat.Worker.info(w).generation
+      pid = os_pid(w)
 
-    kill(pid)
-    eventually(fn -> not os_alive?(pid) end)
-    await_generation_after(name, generation)
+      kill(pid)
+      eventually(fn -> not os_alive?(pid) end)
+      await_generation_after(name, generation)
 
-    assert held == data
-    assert :crypto.hash(:sha256, :binary.copy(held)) == :crypto.hash(:sha256, data)
-    parent = self()
-    spawn(fn -> send(parent, {:read, :erlang.md5(held)}) end)
-    assert_receive {:read, digest}, 10_000
-    assert digest == :erlang.md5(data)
+      assert held == data
+      assert :crypto.hash(:sha256, :binary.copy(held)) == :crypto.hash(:sha256, data)
+      # Sent to another process and read there too.
+      parent = self()
+      spawn(fn -> send(parent, {:read, :erlang.md5(held)}) end)
+      assert_receive {:read, digest}, 10_000
+      assert digest == :erlang.md5(data)
+    end
   end
 
   test "a pin at an address the worker does not map fails the read, and the pipe carries the tensor" do

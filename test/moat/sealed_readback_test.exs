@@ -121,31 +121,6 @@ defmodule Moat.SealedReadbackTest do
     assert held == snapshot
   end
 
-  test "a mapped readback stays readable and correct after its worker is killed" do
-    name = :sealed_killed
-    w = start_worker(name, shared_memory: :sealed_files, log_level: :error)
-    assert Client.conn(w).shared.via == :sealed
-    data = bytes(8 * @mib)
-    ref = Moat.from_binary(data, {8 * @mib}, {:u, 8}, worker: w)
-    assert {:shared_memory, held} = read_back(ref)
-    generation = Moat.Worker.info(w).generation
-    pid = os_pid(w)
-
-    kill(pid)
-    eventually(fn -> not os_alive?(pid) end)
-    await_generation_after(name, generation)
-
-    # The file's pages belong to the mapping now, not to the dead worker.
-    assert held == data
-    assert :binary.copy(held) == data
-    assert :crypto.hash(:sha256, held) == :crypto.hash(:sha256, data)
-    # Sent to another process and read there too.
-    parent = self()
-    spawn(fn -> send(parent, {:read, :erlang.md5(held)}) end)
-    assert_receive {:read, digest}, 10_000
-    assert digest == :erlang.md5(data)
-  end
-
   test "a readback file that is not sealed is refused, and the pipe carries the tensor" do
     w =
       start_worker(:sealed_refused,

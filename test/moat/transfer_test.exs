@@ -34,6 +34,8 @@ defmodule Moat.TransferTest do
       info = Moat.Worker.info(on)
       assert Shared.negotiate(info, 1) != nil
       assert Shared.negotiate(info, 1, :sealed_files).via == :sealed
+      # A GPU worker's buffers are CUDA managed memory: sealed files, as measured there.
+      assert Shared.negotiate(%{info | devices: [:cpu, :gpu]}, 1).via == :sealed
 
       for mode <- [true, :sealed_files] do
         assert Shared.negotiate(%{info | shared_memory: %{info.shared_memory | nonce: <<0::128>>}}, 1, mode) == nil

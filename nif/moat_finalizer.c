@@ -512,7 +512,7 @@ static void outbox_down(ErlNifEnv* env, void* obj, ErlNifPid* pid, ErlNifMonitor
   (void)pid;
   (void)mon;
   enif_mutex_lock(o->lock);
-  o->closed = 1;
+  __atomic_store_n(&o->closed, 1, __ATOMIC_RELEASE);
   outbox_drop(o);
   enif_mutex_unlock(o->lock);
 }
@@ -570,6 +570,26 @@ static int iodata_size(ErlNifEnv* env, ERL_NIF_TERM t, size_t* n, int depth) {
   return 0;
 }
 
+/* The frame to queue for iodata `t`, and its byte size: `t` itself where
+ * the walk above sizes it, else (iodata nested deeper than it walks, or a
+ * shape it does not know) `t` flattened into one binary by
+ * enif_inspect_iolist_as_binary, which takes any iodata. 0 when `t` is not
+ * iodata at all. */
+static int frame_of(ErlNifEnv* env, ERL_NIF_TERM t, ERL_NIF_TERM* frame, size_t* size) {
+  ErlNifBinary flat;
+  *size = 0;
+  if (iodata_size(env, t, size, 0)) {
+    *frame = t;
+    return 1;
+  }
+  if (!enif_inspect_iolist_as_binary(env, t, &flat)) return 0;
+  unsigned char* p = enif_make_new_binary(env, flat.size, frame);
+  if (p == NULL) return 0;
+  if (flat.size > 0) memcpy(p, flat.data, flat.size);
+  *size = flat.size;
+  return 1;
+}
+
 /* Queues `frame` of `size` bytes. Call with the lock held; 0 without memory. */
 static int outbox_append(outbox* o, ERL_NIF_TERM frame, size_t size) {
   if (o->len == o->cap) {
@@ -584,7 +604,8 @@ static int outbox_append(outbox* o, ERL_NIF_TERM frame, size_t size) {
   }
   o->frames[o->len] = enif_make_copy(o->env, frame);
   o->sizes[o->len] = size;
-  o->len++;
+  /* Atomic: outbox_call reads len without the lock. */
+  __atomic_store_n(&o->len, o->len + 1, __ATOMIC_RELEASE);
   return 1;
 }
 
@@ -614,7 +635,7 @@ static int outbox_write(ErlNifEnv* env, outbox* o) {
     ok = enif_port_command(env, &o->port, o->env, list);
   }
   outbox_drop(o);
-  if (!ok) o->closed = 1;
+  if (!ok) __atomic_store_n(&o->closed, 1, __ATOMIC_RELEASE);
   return ok;
 }
 
@@ -631,8 +652,9 @@ static void wake_writer(ErlNifEnv* env, ErlNifPid* writer) {
 static ERL_NIF_TERM outbox_push(ErlNifEnv* env, int argc, const ERL_NIF_TERM argv[]) {
   outbox* o;
   size_t size = 0;
+  ERL_NIF_TERM frame;
   (void)argc;
-  if (!enif_get_resource(env, argv[0], OUTBOX, (void**)&o) || !iodata_size(env, argv[1], &size, 0)) {
+  if (!enif_get_resource(env, argv[0], OUTBOX, (void**)&o) || !frame_of(env, argv[1], &frame, &size)) {
     return enif_make_badarg(env);
   }
   int wake = 0, appended = 1;
@@ -641,7 +663,7 @@ static ERL_NIF_TERM outbox_push(ErlNifEnv* env, int argc, const ERL_NIF_TERM arg
   if (o->closed) {
     answer = atom_closed;
   } else {
-    appended = outbox_append(o, argv[1], size);
+    appended = outbox_append(o, frame, size);
     wake = appended && !o->woken;
     if (wake) o->woken = 1;
   }
@@ -659,20 +681,21 @@ static ERL_NIF_TERM outbox_push(ErlNifEnv* env, int argc, const ERL_NIF_TERM arg
 static ERL_NIF_TERM outbox_call(ErlNifEnv* env, int argc, const ERL_NIF_TERM argv[]) {
   outbox* o;
   size_t size = 0;
+  ERL_NIF_TERM frame;
   (void)argc;
   if (!enif_get_resource(env, argv[0], OUTBOX, (void**)&o)) return enif_make_badarg(env);
   /* With nothing queued, Port.command/2 checks the frame. */
   if (__atomic_load_n(&o->len, __ATOMIC_ACQUIRE) == 0 && !__atomic_load_n(&o->closed, __ATOMIC_ACQUIRE)) {
     return atom_direct;
   }
-  if (!iodata_size(env, argv[1], &size, 0)) return enif_make_badarg(env);
+  if (!frame_of(env, argv[1], &frame, &size)) return enif_make_badarg(env);
   ERL_NIF_TERM answer;
   enif_mutex_lock(o->lock);
   if (o->closed) {
     answer = atom_closed;
   } else if (o->len == 0) {
     answer = atom_direct;
-  } else if (!outbox_append(o, argv[1], size)) {
+  } else if (!outbox_append(o, frame, size)) {
     answer = 0;
   } else {
     answer = outbox_write(env, o) ? atom_ok : atom_closed;

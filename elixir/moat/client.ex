@@ -217,7 +217,7 @@ defmodule Moat.Client do
     admit(conn)
     frame = Protocol.request(0, conn.generation, op, outs, ins, attrs, payload)
 
-    if conn.outbox != nil and IO.iodata_length(payload) >= Writer.large_payload(),
+    if conn.outbox != nil and payload_size(payload, op) >= Writer.large_payload(),
       do: command_large(conn, op, frame),
       else: command(conn, op, frame)
   end
@@ -574,7 +574,7 @@ defmodule Moat.Client do
   defp command(%__MODULE__{outbox: nil} = conn, op, iodata), do: direct(conn, op, iodata)
 
   defp command(conn, op, iodata) do
-    case Finalizer.outbox_push(conn.outbox, iodata) do
+    case push(conn, op, iodata) do
       :ok -> sent(conn)
       :closed -> raise Error.new(:worker_unavailable, op, cause(conn))
     end
@@ -587,11 +587,37 @@ defmodule Moat.Client do
   defp command_call(%__MODULE__{outbox: nil} = conn, op, iodata), do: direct(conn, op, iodata)
 
   defp command_call(conn, op, iodata) do
-    case Finalizer.outbox_call(conn.outbox, iodata) do
+    case push_call(conn, op, iodata) do
       :direct -> direct(conn, op, iodata)
       :ok -> sent(conn)
       :closed -> raise Error.new(:worker_unavailable, op, cause(conn))
     end
+  end
+
+  # The NIF takes any iodata (nested deeper than its own walk goes, it
+  # flattens the frame); what is not iodata is refused by name.
+  defp push(conn, op, iodata) do
+    Finalizer.outbox_push(conn.outbox, iodata)
+  rescue
+    ArgumentError -> not_iodata!(op, __STACKTRACE__)
+  end
+
+  defp push_call(conn, op, iodata) do
+    Finalizer.outbox_call(conn.outbox, iodata)
+  rescue
+    ArgumentError -> not_iodata!(op, __STACKTRACE__)
+  end
+
+  defp payload_size(payload, op) do
+    IO.iodata_length(payload)
+  rescue
+    ArgumentError -> not_iodata!(op, __STACKTRACE__)
+  end
+
+  defp not_iodata!(op, stacktrace) do
+    reraise ArgumentError,
+            "#{op}: the frame is not iodata (a payload must be a binary or a list of bytes and binaries)",
+            stacktrace
   end
 
   # A frame with a large payload (an upload chunk): written by its sender

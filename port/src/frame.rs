@@ -8,7 +8,9 @@
 //! A packet whose header length is 0 is a batch (protocol.md §1,
 //! "Batches"): its body is more packets, `<<len::32, frame>>` each, read one
 //! by one as if each had come alone, each checked against the same limits.
-//! A batch's own length is not limited: nothing is allocated for it.
+//! A batch's own length is not limited: nothing is allocated for it. A bad
+//! inner length prefix ends the batch with one error; a well-framed inner
+//! packet that is bad itself is refused alone and the batch reads on.
 
 use crate::term::{self, DecodeError, Term};
 use std::io::{self, Read, Write};
@@ -48,6 +50,8 @@ pub struct FrameReader<R> {
     pending: usize,
     /// Bytes of the current batch packet after the current frame.
     batch_left: usize,
+    /// Bytes of the current batch packet after its header length.
+    batch_len: usize,
 }
 
 impl<R: Read> FrameReader<R> {
@@ -57,6 +61,7 @@ impl<R: Read> FrameReader<R> {
             limits,
             pending: 0,
             batch_left: 0,
+            batch_len: 0,
         }
     }
 
@@ -101,28 +106,48 @@ impl<R: Read> FrameReader<R> {
                 }
                 // A batch: its inner packets follow.
                 self.batch_left = packet_len - 4;
+                self.batch_len = packet_len - 4;
                 continue;
             }
             return self.frame(packet_len, header_len).map(Some);
         }
     }
 
-    /// The next inner packet of the current batch.
+    /// The next inner packet of the current batch. A bad inner length
+    /// prefix (fewer than 4 bytes left for it, 0, or more than is left of
+    /// the batch) ends the batch: its rest is dropped with one error. An
+    /// inner packet that is well framed but bad itself (too short for a
+    /// header length, a batch inside the batch, a lying header length, over
+    /// the limits) is refused like a lone packet, and reading goes on with
+    /// the next inner packet.
     fn next_in_batch(&mut self) -> io::Result<Head> {
         let left = self.batch_left;
+        let at = self.batch_len - left;
+        let batch = self.batch_len;
         if left < 4 {
             self.batch_left = 0;
-            let why = format!("malformed batch: {left} bytes left at its end, too few for a packet length");
+            let why = format!(
+                "malformed batch: {left} bytes left at its end (byte {at} of {batch}), too few for a packet length; \
+                 they are dropped"
+            );
             return self.refuse(left, 0, &why);
         }
         let inner_len = self.read_u32()?;
         let left = left - 4;
-        if inner_len > left {
+        if inner_len == 0 || inner_len > left {
             self.batch_left = 0;
-            let why = format!(
-                "malformed batch: an inner packet of {inner_len} bytes exceeds the {left} bytes left in its batch"
-            );
-            return self.refuse(left, inner_len, &why);
+            let why = if inner_len == 0 {
+                format!(
+                    "malformed batch: an inner packet length of 0 at byte {at} of {batch}; \
+                     the rest of the batch ({left} bytes) is dropped"
+                )
+            } else {
+                format!(
+                    "malformed batch: an inner packet of {inner_len} bytes exceeds the {left} bytes left in its batch \
+                     (at byte {at} of {batch}); the rest of the batch is dropped"
+                )
+            };
+            return self.refuse(left, 0, &why);
         }
         self.batch_left = left - inner_len;
         if inner_len < 4 {
@@ -398,5 +423,47 @@ mod tests {
         assert!(why.contains("shorter than its header length"), "{why}");
         assert_eq!(r.next_head().unwrap().unwrap().header.unwrap(), Term::atom("next"));
         assert!(r.next_head().unwrap().is_none());
+    }
+
+    #[test]
+    fn a_bad_inner_length_ends_its_batch_with_one_error() {
+        let next = packet(&Term::atom("next"), b"");
+        // A frame, then a zero length and zeros to the batch's end: one error, not one per 4 bytes.
+        let mut bytes = batch(&[packet(&Term::int(1), b""), vec![0; 14]]);
+        // A frame, a length that overruns the batch, and what would read as a frame after it.
+        bytes.extend(batch(&[packet(&Term::int(2), b""), vec![0, 0, 1, 0], next.clone()]));
+        // Well-framed but bad inner packets are refused one by one and the batch reads on.
+        bytes.extend(batch(&[
+            vec![0, 0, 0, 1, 7],
+            vec![0, 0, 0, 6, 0, 0, 0, 99, 1, 2],
+            packet(&Term::int(3), b""),
+        ]));
+        bytes.extend(&next);
+        let mut r = FrameReader::new(&bytes[..], Limits::default());
+        let mut heads = Vec::new();
+        while let Some(head) = r.next_head().unwrap() {
+            heads.push(head.header.map_err(|e| e.0));
+        }
+        let why = |i: usize| heads[i].clone().unwrap_err();
+        assert_eq!(heads.len(), 8, "{heads:?}");
+        assert_eq!(heads[0], Ok(Term::int(1)));
+        assert!(
+            why(1).contains("an inner packet length of 0 at byte 11 of 25"),
+            "{}",
+            why(1)
+        );
+        assert!(
+            why(1).contains("the rest of the batch (10 bytes) is dropped"),
+            "{}",
+            why(1)
+        );
+        assert_eq!(heads[2], Ok(Term::int(2)));
+        assert!(why(3).contains("exceeds the"), "{}", why(3));
+        assert!(why(3).contains("the rest of the batch is dropped"), "{}", why(3));
+        assert!(why(4).contains("shorter than its header length"), "{}", why(4));
+        assert!(why(5).contains("header length 99 exceeds the packet"), "{}", why(5));
+        // The third batch's last frame, then the lone packet after it.
+        assert_eq!(heads[6], Ok(Term::int(3)));
+        assert_eq!(heads[7], Ok(Term::atom("next")));
     }
 }

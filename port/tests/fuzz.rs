@@ -8,7 +8,11 @@
 //!
 //! * the term decoder never panics, and what it accepts re-encodes stably;
 //! * the frame reader never panics and always makes progress;
-//! * the reader thread turns every packet into exactly one message;
+//! * the reader thread turns every frame into exactly one message, whether it
+//!   came alone or inside a batch packet, and a malformed batch into the
+//!   errors protocol.md §1 ("Batches") predicts: one for a bad inner length
+//!   prefix (the rest of its batch dropped), one per well-framed bad inner
+//!   packet;
 //! * the C-node's reader of distribution messages (`cnode`) refuses damaged,
 //!   lying and oversized messages without a panic, at a cost bounded by the
 //!   message's length, and turns each frame message into one message;
@@ -397,6 +401,159 @@ fn damaged_body(corpus: &[(Term, Vec<u8>)], rng: &mut Rng) -> Vec<u8> {
     }
 }
 
+/// One batch packet's body (protocol.md §1, "Batches"): a zero header
+/// length, then inner packets, valid or damaged, whose length prefixes may
+/// lie (0, more than is left), maybe a stray tail of fewer than 4 bytes, a
+/// batch inside the batch, or no frames at all; or, now and then, a valid
+/// batch damaged at the byte level.
+fn batch_body(corpus: &[(Term, Vec<u8>)], rng: &mut Rng) -> Vec<u8> {
+    let mut b = vec![0, 0, 0, 0];
+    if rng.chance(16) {
+        return b;
+    }
+    for _ in 0..1 + rng.below(6) {
+        let inner = match rng.below(8) {
+            0 => damaged_body(corpus, rng),
+            1 => {
+                // A batch inside the batch.
+                let (h, p) = rng.pick(corpus);
+                let mut nested = vec![0, 0, 0, 0];
+                let f = body(h, p);
+                nested.extend_from_slice(&(f.len() as u32).to_be_bytes());
+                nested.extend_from_slice(&f);
+                nested
+            }
+            2 => (0..rng.below(4)).map(|_| rng.next() as u8).collect(),
+            _ => {
+                let (h, p) = rng.pick(corpus);
+                body(h, p)
+            }
+        };
+        let len = match rng.below(16) {
+            0 => 0,
+            1 => inner.len() as u32 + 1 + rng.below(64) as u32,
+            2 => rng.next() as u32,
+            _ => inner.len() as u32,
+        };
+        b.extend_from_slice(&len.to_be_bytes());
+        b.extend_from_slice(&inner);
+    }
+    match rng.below(8) {
+        0 => b.extend((0..1 + rng.below(3)).map(|_| rng.next() as u8)),
+        1 => b.extend([0; 8]),
+        2 => {
+            let (h, p) = rng.pick(corpus);
+            mutate_bytes(&mut b, &body(h, p), rng);
+            if b.len() >= 4 {
+                b[..4].copy_from_slice(&[0; 4]);
+            }
+        }
+        _ => {}
+    }
+    b
+}
+
+/// What the reader thread must make of one frame or malformed batch, by
+/// protocol.md §1: the model `the_reader_turns_every_packet_into_exactly_one_message`
+/// checks the reader against.
+#[derive(Debug)]
+enum Expect<'a> {
+    /// A frame body (what follows its packet length), alone or inside a batch.
+    Frame { body: &'a [u8], in_batch: bool },
+    /// A bad inner length prefix: one error, the rest of its batch dropped.
+    BadLength,
+    /// A batch packet with no frames in it.
+    EmptyBatch,
+}
+
+fn be32(b: &[u8]) -> usize {
+    u32::from_be_bytes(b[..4].try_into().unwrap()) as usize
+}
+
+/// The messages a stream of well-framed packets must turn into, in order.
+fn expected(mut rest: &[u8]) -> Vec<Expect<'_>> {
+    let mut out = Vec::new();
+    while rest.len() >= 4 {
+        let n = be32(rest);
+        let body = &rest[4..4 + n];
+        rest = &rest[4 + n..];
+        if body.len() < 4 || be32(body) != 0 {
+            out.push(Expect::Frame { body, in_batch: false });
+            continue;
+        }
+        let mut inner = &body[4..];
+        if inner.is_empty() {
+            out.push(Expect::EmptyBatch);
+        }
+        while !inner.is_empty() {
+            if inner.len() < 4 {
+                out.push(Expect::BadLength);
+                break;
+            }
+            let m = be32(inner);
+            if m == 0 || m > inner.len() - 4 {
+                out.push(Expect::BadLength);
+                break;
+            }
+            out.push(Expect::Frame {
+                body: &inner[4..4 + m],
+                in_batch: true,
+            });
+            inner = &inner[4 + m..];
+        }
+    }
+    out
+}
+
+/// Checks one message against what the model expects of it.
+fn check_message(expect: &Expect, message: &Incoming, limits: &Limits) {
+    let refusal = |m: &Incoming| match m {
+        Incoming::Malformed(m) => Some((m.seq, m.failure.message.clone())),
+        _ => None,
+    };
+    match expect {
+        Expect::BadLength | Expect::EmptyBatch => {
+            let (seq, why) = refusal(message).expect("a malformed batch is refused");
+            assert_eq!(seq, 0, "{why}");
+            assert!(why.contains("malformed batch"), "{why}");
+            let names = match expect {
+                Expect::EmptyBatch => "a batch packet with no frames",
+                _ => "dropped",
+            };
+            assert!(why.contains(names), "{why}");
+        }
+        Expect::Frame { body, in_batch } => {
+            if body.len() < 4 || be32(body) > limits.max_header_bytes {
+                assert!(
+                    refusal(message).is_some(),
+                    "a frame too short or a header too long is refused"
+                );
+                return;
+            }
+            if *in_batch && be32(body) == 0 {
+                let (seq, why) = refusal(message).expect("a batch inside a batch is refused");
+                assert_eq!(seq, 0);
+                assert!(why.contains("a batch inside a batch"), "{why}");
+                return;
+            }
+            let req = split_body(body)
+                .ok()
+                .and_then(|(header, _)| Request::parse(header).ok());
+            match req {
+                None => assert!(refusal(message).is_some(), "a frame that does not parse is refused"),
+                // A call is answered: it reaches the session as a request, or
+                // as a refusal carrying its seq (upload chunks sent as calls).
+                Some(req) if req.seq != 0 => match message {
+                    Incoming::Call { call, .. } => assert_eq!(call.seq, req.seq),
+                    Incoming::Malformed(m) => assert_eq!(m.seq, req.seq, "{}", m.failure.message),
+                    Incoming::Consumed => panic!("call {} vanished", req.seq),
+                },
+                Some(_) => {}
+            }
+        }
+    }
+}
+
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
@@ -467,7 +624,11 @@ fn the_frame_reader_never_panics_and_always_makes_progress() {
         // Several packets whose lengths may lie, then maybe junk.
         let mut stream = Vec::new();
         for _ in 0..1 + rng.below(4) {
-            let b = damaged_body(&corpus, rng);
+            let b = if rng.chance(4) {
+                batch_body(&corpus, rng)
+            } else {
+                damaged_body(&corpus, rng)
+            };
             let len = if rng.chance(4) {
                 rng.next() as u32 % (b.len() as u32 + 16)
             } else {
@@ -515,14 +676,17 @@ fn the_frame_reader_never_panics_and_always_makes_progress() {
 fn the_reader_turns_every_packet_into_exactly_one_message() {
     let corpus = corpus();
     let gen = |rng: &mut Rng| {
-        // Well-framed packets (the BEAM writes the packet length) with damaged bodies.
+        // Well-framed packets (the BEAM writes the packet length) with
+        // damaged bodies, and batch packets, valid or malformed.
         let mut stream = Vec::new();
         for _ in 0..1 + rng.below(8) {
-            let b = if rng.chance(4) {
-                let (h, p) = rng.pick(&corpus);
-                body(h, p)
-            } else {
-                damaged_body(&corpus, rng)
+            let b = match rng.below(8) {
+                0 | 1 => {
+                    let (h, p) = rng.pick(&corpus);
+                    body(h, p)
+                }
+                2 | 3 => batch_body(&corpus, rng),
+                _ => damaged_body(&corpus, rng),
             };
             stream.extend_from_slice(&(b.len() as u32).to_be_bytes());
             stream.extend_from_slice(&b);
@@ -535,20 +699,7 @@ fn the_reader_turns_every_packet_into_exactly_one_message() {
         chunk_bytes: 64,
     };
     let runs = fuzz("reader thread", gen, |input| {
-        let mut packets = 0;
-        let mut calls = Vec::new();
-        let mut rest = input;
-        while rest.len() >= 4 {
-            let n = u32::from_be_bytes(rest[..4].try_into().unwrap()) as usize;
-            if let Ok((header, _)) = split_body(&rest[4..4 + n]) {
-                // Upload chunks sent as calls are refused, and so answered.
-                if let Ok(req) = Request::parse(header) {
-                    calls.push(req.seq);
-                }
-            }
-            packets += 1;
-            rest = &rest[4 + n..];
-        }
+        let expect = expected(input);
         let (tx, rx) = unbounded();
         let (replies, _writer) = Replies::new(PipeSink::new(std::io::sink()), 1024, limits.chunk_bytes);
         let config = ReaderConfig {
@@ -560,20 +711,13 @@ fn the_reader_turns_every_packet_into_exactly_one_message() {
         read_loop(pipe_source(Cursor::new(input), limits), config, tx)
             .expect("a well-framed stream never breaks the reader");
         let messages: Vec<Incoming> = rx.try_iter().collect();
-        assert_eq!(messages.len(), packets, "one message per packet");
-        // Every call that could be read is answered: it reaches the session
-        // as a request, or as a refusal carrying its seq.
-        let answered: Vec<u64> = messages
-            .iter()
-            .filter_map(|m| match m {
-                Incoming::Call { call, .. } => Some(call.seq),
-                Incoming::Malformed(m) => Some(m.seq),
-                Incoming::Consumed => None,
-            })
-            .filter(|seq| *seq != 0)
-            .collect();
-        for seq in calls.iter().filter(|s| **s != 0) {
-            assert!(answered.contains(seq), "call {seq} vanished");
+        assert_eq!(
+            messages.len(),
+            expect.len(),
+            "one message per frame and per malformed batch: {expect:?}"
+        );
+        for (e, m) in expect.iter().zip(&messages) {
+            check_message(e, m, &limits);
         }
     });
     report::row(
@@ -582,7 +726,7 @@ fn the_reader_turns_every_packet_into_exactly_one_message() {
         runs,
         runs,
         0,
-        "exactly one message per packet; no call lost",
+        "exactly the messages the model of protocol.md §1 predicts (one per frame, alone or batched; one per malformed batch); no call lost",
     );
 }
 

@@ -358,5 +358,30 @@ fn malformed_batches_are_refused_and_the_worker_keeps_serving() {
     assert_eq!(op, "protocol");
     assert!(message.contains("frame of more than 4096 bytes refused"), "{message}");
     assert_eq!(w.recv().0, moat_port::protocol::ok(9, nil()));
+    // A zero inner length ends its batch with one error, however many zeros
+    // follow it, and the call after it in the batch is never read; a
+    // well-framed bad inner packet before it is refused and reading goes on.
+    let body = [
+        inner(request(10, g, "sync", &[], &[], nil()), &[]),
+        vec![0, 0, 0, 2, 7, 7],
+        vec![0; 64],
+        inner(request(11, g, "sync", &[], &[], nil()), &[]),
+    ]
+    .concat();
+    w.send_raw(&batch(&body));
+    assert_eq!(w.recv().0, moat_port::protocol::ok(10, nil()));
+    assert!(unprompted(&mut w)
+        .1
+        .contains("an inner packet shorter than its header length"));
+    let (op, message) = unprompted(&mut w);
+    assert_eq!(op, "protocol");
+    assert!(message.contains("an inner packet length of 0"), "{message}");
+    assert!(message.contains("is dropped"), "{message}");
+    w.send(request(12, g, "sync", &[], &[], nil()), &[]);
+    assert_eq!(
+        w.recv().0,
+        moat_port::protocol::ok(12, nil()),
+        "one error for the batch, not one per 4 bytes"
+    );
     still_serving(&mut w, 60);
 }

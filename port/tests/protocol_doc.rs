@@ -75,3 +75,26 @@ fn the_batch_example_reads_as_its_frames() {
     assert_eq!(terms.len(), 2);
     assert_eq!(read, terms);
 }
+
+/// §1's malformed-batch rule, on its example: the reader yields exactly the
+/// frames and refusals the document lists, in order, and then the stream is
+/// at its end (the dropped rest was consumed, not read as frames).
+#[test]
+fn the_malformed_batch_example_reads_as_documented() {
+    let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../protocol.md")).expect("protocol.md");
+    let expected: Vec<&str> = block(&doc, "batch-malformed")
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .collect();
+    let bytes = unhex(block(&doc, "batch-malformed-hex"));
+    let mut reader = FrameReader::new(&bytes[..], Limits::default());
+    let mut read = Vec::new();
+    while let Some(head) = reader.next_head().unwrap() {
+        read.push(match head.header {
+            Ok(term) => term.to_string(),
+            Err(e) => format!("refused: {}", e.0),
+        });
+    }
+    assert_eq!(expected.len(), 3);
+    assert_eq!(read, expected);
+}

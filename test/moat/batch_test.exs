@@ -8,7 +8,9 @@ defmodule Moat.BatchTest do
   use ExUnit.Case, async: false
   import Moat.Case
 
-  alias Moat.{Client, Error, Finalizer}
+  import ExUnit.CaptureLog
+
+  alias Moat.{Client, Error, Finalizer, Handles}
 
   @moduletag timeout: 120_000
 
@@ -235,6 +237,208 @@ defmodule Moat.BatchTest do
     e = assert_raise Error, fn -> Client.cast(old, :sync, [], [], nil) end
     assert e.reason == :worker_unavailable
     assert e.message =~ "writer exited"
+    assert Nx.to_flat_list(Nx.add(t([1.0], w), 1)) == [2.0]
+  end
+
+  test "iodata nested deeper than the NIF's walk is queued whole (flattened), not refused" do
+    w = start_worker(:batch_deep, shared_memory: false, log_level: :error)
+    conn = Client.conn(w)
+    bytes = f32([1.0, 2.0, 3.0, 4.0])
+    # 100 levels of nesting, bytes and binaries mixed at the bottom.
+    <<first, rest::binary>> = bytes
+    deep = Enum.reduce(1..100, [first, rest], fn _, acc -> [acc] end)
+    attrs = %{shape: [4], dtype: {:f, 32}, bytes: 16}
+
+    ids =
+      with_writer_held(w, fn ->
+        ids =
+          for _ <- 1..3 do
+            id = Client.new_id()
+            :ok = Client.cast(conn, :from_binary, [id], [], attrs, deep)
+            id
+          end
+
+        assert queued(w) >= 3
+        ids
+      end)
+
+    for id <- ids, do: assert(Moat.to_binary(Handles.ref(conn, id)) == bytes)
+
+    # A call behind queued frames takes the same path (outbox_call).
+    with_writer_held(w, fn ->
+      id = Client.new_id()
+      :ok = Client.cast(conn, :from_binary, [id], [], attrs, deep)
+      assert queued(w) >= 1
+      assert Moat.to_binary(Handles.ref(conn, id)) == bytes
+    end)
+
+    # What is not iodata is refused by name, and nothing is queued for it.
+    e =
+      assert_raise ArgumentError, fn -> Client.cast(conn, :from_binary, [Client.new_id()], [], attrs, [deep, :nope]) end
+
+    assert e.message =~ "from_binary: the frame is not iodata"
+    assert Nx.to_flat_list(Nx.add(t([1.0], w), 1)) == [2.0]
+  end
+
+  test "a failed cast in a batch poisons what depends on it, and only that" do
+    w = start_worker(:batch_poison, log_level: :error)
+    conn = Client.conn(w)
+    one = t([1.0, 2.0], w)
+    ins = Handles.ids!(conn, [one.data.ref], :add)
+
+    {bad, dependent, fine} =
+      with_writer_held(w, fn ->
+        bad = Client.new_id()
+        Client.cast(conn, :frobnicate, [bad], ins, nil)
+        dependent = Client.new_id()
+        Client.cast(conn, :add, [dependent], [bad | ins], %{type: {:f, 32}})
+        fine = Nx.add(one, one)
+        assert queued(w) >= 3
+        {Handles.ref(conn, bad), Handles.ref(conn, dependent), fine}
+      end)
+
+    for ref <- [bad, dependent] do
+      e = assert_raise Error, fn -> Moat.to_binary(ref) end
+      assert e.reason == :op_failed
+      assert e.message =~ "unknown op frobnicate"
+    end
+
+    assert Nx.to_flat_list(fine) == [2.0, 4.0]
+  end
+
+  test "an op over the memory limit in a batch fails alone; the worker keeps serving" do
+    w = start_worker(:batch_limit, log_level: :error)
+    Moat.set_memory_limit(16 * 1024 * 1024, w)
+    one = t([1.0], w)
+
+    {big, small} =
+      with_writer_held(w, fn ->
+        # 64 MiB once evaluated, over the 16 MiB limit.
+        big = Nx.sum(Nx.add(Nx.broadcast(one, {16 * 1024 * 1024}), one))
+        small = Nx.add(one, one)
+        assert queued(w) >= 3
+        {big, small}
+      end)
+
+    e = assert_raise Error, fn -> Nx.to_flat_list(big) end
+    assert e.reason == :op_failed
+    assert e.kind == :memory_limit, inspect(e)
+    assert Nx.to_flat_list(small) == [2.0]
+    assert Nx.to_flat_list(Nx.add(t([1.0], w), 1)) == [2.0]
+  end
+
+  test "releases of collected tensors queue behind the frames that use them" do
+    w = start_worker(:batch_release, log_level: :error)
+    base = t([1.0, 2.0], w)
+    before = Moat.memory_info(w).tensors
+    parent = self()
+
+    for round <- 1..5 do
+      with_writer_held(w, fn ->
+        # A process makes temporaries (queued casts), keeps one result, and
+        # exits: its dropped temporaries' releases are pushed while the
+        # frames defining and using them are still queued.
+        pid =
+          spawn(fn ->
+            result =
+              Enum.reduce(1..50, base, fn i, acc -> Nx.add(acc, Nx.multiply(base, i)) end)
+              |> Nx.multiply(round)
+
+            send(parent, {:result, round, result})
+          end)
+
+        ref = Process.monitor(pid)
+        assert_receive {:DOWN, ^ref, :process, ^pid, :normal}, 10_000
+        :erlang.garbage_collect()
+      end)
+
+      assert_receive {:result, ^round, result}
+      # 1 + sum(1..50) = 1276
+      assert Nx.to_flat_list(result) == [1276.0 * round, 2552.0 * round]
+    end
+
+    eventually(fn -> Moat.memory_info(w).tensors <= before + 1 end, 10_000)
+    assert Nx.to_flat_list(base) == [1.0, 2.0]
+  end
+
+  test "the port closed while frames are queued: every caller is answered, the worker restarts" do
+    w = start_worker(:batch_closed, log_level: :error)
+    generation = Moat.Worker.info(w).generation
+    conn = Client.conn(w)
+    one = t([1.0], w)
+    parent = self()
+
+    capture_log(fn ->
+      with_writer_held(w, fn ->
+        _queued = Enum.reduce(1..20, one, fn _, acc -> Nx.add(acc, one) end)
+        assert queued(w) >= 20
+        Port.close(conn.port)
+
+        # A call behind the queued frames writes them with its own: the port
+        # refuses the write, the outbox closes, and the call is answered.
+        e =
+          try do
+            Client.call(conn, :sync, [], nil)
+          rescue
+            e in Error -> {:error, e}
+          end
+
+        assert {:error, %Error{reason: reason}} = e
+        assert reason in [:worker_died, :worker_unavailable]
+
+        callers =
+          for p <- 1..4 do
+            spawn(fn ->
+              answer =
+                try do
+                  {:ok, Nx.to_flat_list(Nx.add(one, p))}
+                rescue
+                  e in Error -> {:error, e.reason}
+                end
+
+              send(parent, {:answered, p, answer})
+            end)
+          end
+
+        for p <- 1..4 do
+          assert_receive {:answered, ^p, answer}, 10_000
+
+          assert match?({:error, r} when r in [:worker_died, :worker_unavailable, :stale_generation], answer),
+                 inspect(answer)
+        end
+
+        # A cast into the closed connection is refused, not silently queued.
+        assert_raise Error, fn -> Client.cast(conn, :sync, [], [], nil) end
+        length(callers)
+      end)
+    end)
+
+    await_generation_after(w, generation)
+    assert Nx.to_flat_list(Nx.add(t([1.0], w), 1)) == [2.0]
+  end
+
+  test "protocol.md's malformed batch example, sent to a real worker: the documented refusals, once each" do
+    w = start_worker(:batch_malformed_doc, log_level: :error)
+    conn = Client.conn(w)
+    doc = File.read!(Path.expand("../../protocol.md", __DIR__))
+    [_, hex] = Regex.run(~r/```batch-malformed-hex\n(.*?)```/s, doc)
+    [_, lines] = Regex.run(~r/```batch-malformed\n(.*?)```/s, doc)
+    <<len::32, body::binary-size(len)>> = Base.decode16!(String.replace(hex, ~r/\s/, ""), case: :lower)
+
+    expected =
+      for "refused: " <> why <- String.split(lines, "\n", trim: true), do: why
+
+    log =
+      capture_log(fn ->
+        # The port adds the packet length.
+        Port.command(conn.port, body)
+        assert {:ok, nil, ""} = Client.call(conn, :sync, [], nil)
+        # Unprompted errors are logged by the owner; a call through it orders them.
+        Moat.Worker.info(w)
+      end)
+
+    refused = Regex.scan(~r/refused a frame \(protocol\): (?:bad header term: )?(malformed batch: [^\n]*)/, log)
+    assert Enum.map(refused, fn [_, why] -> why end) == expected, log
     assert Nx.to_flat_list(Nx.add(t([1.0], w), 1)) == [2.0]
   end
 end

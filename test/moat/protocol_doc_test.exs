@@ -26,6 +26,26 @@ defmodule Moat.ProtocolDocTest do
   @batch_terms batch_terms |> String.split("\n", trim: true) |> Enum.map(&elem(Code.eval_string(&1), 0))
   @batch_hex String.replace(batch_hex, ~r/\s/, "")
 
+  [_, malformed] = Regex.run(~r/```batch-malformed\n(.*?)```/s, doc)
+  [_, malformed_hex] = Regex.run(~r/```batch-malformed-hex\n(.*?)```/s, doc)
+  @malformed String.split(malformed, "\n", trim: true)
+  @malformed_hex String.replace(malformed_hex, ~r/\s/, "")
+
+  test "§1's malformed batch example: a batch packet whose frames are what Moat.Protocol.request/6 writes" do
+    <<len::32, body::binary-size(len)>> = Base.decode16!(@malformed_hex, case: :lower)
+    assert <<0::32, _::binary>> = body
+
+    {terms, refusals} = Enum.split_with(@malformed, &String.starts_with?(&1, "{"))
+    assert length(terms) == 1 and length(refusals) == 2
+    assert Enum.all?(refusals, &String.starts_with?(&1, "refused: malformed batch: "))
+
+    for line <- terms do
+      {{seq, g, op, outs, ins, attrs}, _} = Code.eval_string(line)
+      frame = IO.iodata_to_binary(Moat.Protocol.request(seq, g, op, outs, ins, attrs))
+      assert :binary.match(body, <<byte_size(frame)::32, frame::binary>>) != :nomatch, line
+    end
+  end
+
   test "§1's batch example is what Moat.Protocol.batch/1 writes" do
     frames = for {seq, g, op, outs, ins, attrs} <- @batch_terms, do: Moat.Protocol.request(seq, g, op, outs, ins, attrs)
     assert length(frames) == 2

@@ -394,16 +394,58 @@ static ERL_NIF_TERM trim_pool(ErlNifEnv* env, int argc, const ERL_NIF_TERM argv[
 
 #define PROBE_BYTES 16
 
+/* A readback of at least SPLIT_BYTES is copied by up to READ_THREADS
+ * threads, each a part of at least SPLIT_BYTES / 2: one process_vm_readv
+ * walks the worker's 4 KiB pages one by one, bound by that walk rather than
+ * by memory (64 MiB into a buffer from the pool: about 4 GB/s with one
+ * thread, 8 with two, on a 2-vCPU VM; docs/latency.md, "Readbacks on two
+ * threads"). */
+#define SPLIT_BYTES ((size_t)16 << 20)
+#define READ_THREADS 4
+
+/* One process_vm_readv of a part, the probe first. */
+typedef struct {
+  pid_t pid;
+  const void* probe_at;
+  unsigned char probe[PROBE_BYTES];
+  char* to;
+  const char* from;
+  size_t n;
+  ssize_t got;
+  int err;
+} part;
+
+static void* read_part(void* arg) {
+  part* p = (part*)arg;
+  struct iovec local[2] = {{p->probe, PROBE_BYTES}, {p->to, p->n}};
+  struct iovec remote[2] = {{(void*)p->probe_at, PROBE_BYTES}, {(void*)p->from, p->n}};
+  int n = p->n > 0 ? 2 : 1;
+  p->got = process_vm_readv(p->pid, local, n, remote, n, 0);
+  p->err = errno;
+  return NULL;
+}
+
+/* How many threads read `bytes`: at most READ_THREADS and the CPUs online. */
+static int read_threads(size_t bytes) {
+  if (bytes < SPLIT_BYTES) return 1;
+  long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+  size_t by_size = bytes / (SPLIT_BYTES / 2);
+  long n = cpus < READ_THREADS ? cpus : READ_THREADS;
+  if ((size_t)n > by_size) n = (long)by_size;
+  return n < 1 ? 1 : (int)n;
+}
+
 /* read_memory(OsPid, ProbeAddress, Nonce, Address, Bytes) -> {ok, Binary} | {error, Why}.
  *
  * Copies Bytes bytes at Address of process OsPid (the worker, which keeps
- * them pinned until the client releases the pin) into a readback buffer,
- * with one process_vm_readv that also reads the PROBE_BYTES at
- * ProbeAddress: both come from one address space, so when the probe equals
- * Nonce (what the worker announced in its hello), the bytes are the
- * worker's, not those of another process that took a dead worker's pid.
- * Anything short of every byte is an error, and the buffer goes back.
- * Runs on a dirty scheduler: 64 MiB take milliseconds. */
+ * them pinned until the client releases the pin) into a readback buffer.
+ * Each process_vm_readv (one per part, parts read on threads of their own)
+ * also reads the PROBE_BYTES at ProbeAddress: a probe and its part come
+ * from one address space, so when every probe equals Nonce (what the worker
+ * announced in its hello), every byte is the worker's, not that of another
+ * process that took a dead worker's pid. Anything short of every byte is an
+ * error, and the buffer goes back. Runs on a dirty scheduler: 64 MiB take
+ * milliseconds. */
 static ERL_NIF_TERM read_memory(ErlNifEnv* env, int argc, const ERL_NIF_TERM argv[]) {
   int os_pid;
   ErlNifUInt64 probe_at, at, bytes;
@@ -415,20 +457,41 @@ static ERL_NIF_TERM read_memory(ErlNifEnv* env, int argc, const ERL_NIF_TERM arg
       bytes > (ErlNifUInt64)SSIZE_MAX - PROBE_BYTES) {
     return enif_make_badarg(env);
   }
-  unsigned char probe[PROBE_BYTES];
   size_t cap = 0;
-  void* data = bytes > 0 ? take_buffer((size_t)bytes, &cap) : NULL;
+  char* data = bytes > 0 ? take_buffer((size_t)bytes, &cap) : NULL;
   if (bytes > 0 && data == NULL) return error(env, "enomem");
 
-  struct iovec local[2] = {{probe, PROBE_BYTES}, {data, (size_t)bytes}};
-  struct iovec remote[2] = {{(void*)(uintptr_t)probe_at, PROBE_BYTES}, {(void*)(uintptr_t)at, (size_t)bytes}};
-  int n = bytes > 0 ? 2 : 1;
-  ssize_t got = process_vm_readv((pid_t)os_pid, local, n, remote, n, 0);
-  int read_errno = errno;
+  int threads = read_threads((size_t)bytes);
+  part parts[READ_THREADS];
+  ErlNifTid tids[READ_THREADS];
+  int started[READ_THREADS] = {0};
+  /* Parts in whole pages, the last one taking the rest. */
+  size_t each = threads > 1 ? round_up((size_t)bytes / (size_t)threads, 4096) : (size_t)bytes;
+  for (int i = 0; i < threads; i++) {
+    size_t from = (size_t)i * each;
+    parts[i] = (part){.pid = (pid_t)os_pid,
+                      .probe_at = (const void*)(uintptr_t)probe_at,
+                      .to = data + from,
+                      .from = (const char*)(uintptr_t)at + from,
+                      .n = i == threads - 1 ? (size_t)bytes - from : each};
+  }
+  /* Part 0 on this thread; a part whose thread cannot start is read here too. */
+  for (int i = 1; i < threads; i++) {
+    started[i] = enif_thread_create("moat_readback", &tids[i], read_part, &parts[i], NULL) == 0;
+  }
+  read_part(&parts[0]);
+  for (int i = 1; i < threads; i++) {
+    if (started[i]) enif_thread_join(tids[i], NULL);
+    else read_part(&parts[i]);
+  }
+
   ERL_NIF_TERM refused = 0;
-  if (got < 0) refused = errno_error(env, read_errno);
-  else if (got < PROBE_BYTES || memcmp(probe, nonce.data, PROBE_BYTES) != 0) refused = error(env, "not_the_worker");
-  else if ((ErlNifUInt64)got != PROBE_BYTES + bytes) refused = error(env, "short_read");
+  for (int i = 0; i < threads && !refused; i++) {
+    part* p = &parts[i];
+    if (p->got < 0) refused = errno_error(env, p->err);
+    else if (p->got < PROBE_BYTES || memcmp(p->probe, nonce.data, PROBE_BYTES) != 0) refused = error(env, "not_the_worker");
+    else if ((size_t)p->got != PROBE_BYTES + p->n) refused = error(env, "short_read");
+  }
   if (refused) {
     if (data != NULL) give_buffer(data, cap);
     return refused;

@@ -123,13 +123,40 @@ defmodule Moat.MemoryReadbackTest do
     assert Finalizer.read_memory(pid, 4096, nonce, probe, 16) == {:error, :efault}
     assert Finalizer.read_memory(pid, probe, nonce, 4096, 16) in [{:error, :efault}, {:error, :short_read}]
     # A process that is gone.
-    port = Port.open({:spawn, "true"}, [:exit_status])
+    # (`cat` runs until its input closes: its pid is read while it lives.)
+    port = Port.open({:spawn, "cat"}, [:exit_status])
     {:os_pid, dead} = Port.info(port, :os_pid)
-    assert_receive {^port, {:exit_status, 0}}, 5_000
+    Port.close(port)
     eventually(fn -> not os_alive?(dead) end)
     assert Finalizer.read_memory(dead, probe, nonce, probe, 16) == {:error, :esrch}
 
     assert_raise ArgumentError, fn -> Finalizer.read_memory(pid, probe, "short", probe, 16) end
     assert_raise ArgumentError, fn -> Finalizer.read_memory(0, probe, nonce, probe, 16) end
+  end
+
+  # From 16 MiB a readback is copied in parts, each on a thread of its own
+  # with its own probe (nif/moat_finalizer.c, SPLIT_BYTES).
+  test "a readback copied in parts: every byte in its place, and every part's probe checked" do
+    w = start_worker(:memory_parts, log_level: :error)
+    conn = Client.conn(w)
+    %{os_pid: pid, address: probe, nonce: nonce} = conn.shared
+
+    # Not a whole number of pages, nor of parts.
+    data = bytes(20 * @mib + 4097)
+    ref = Moat.from_binary(data, {byte_size(data)}, {:u, 8}, worker: w)
+    assert {:shared_memory, ^data} = read_back(ref)
+    # MLX's own buffer.
+    t = Nx.from_binary(data, :u8, backend: {Moat.Backend, worker: w})
+    assert Nx.to_binary(Nx.concatenate([t, t])) == data <> data
+
+    # The pinned tensor, read directly.
+    pin = Client.new_id()
+    assert {:ok, %{address: at, bytes: n}, _} = Client.request(conn, :to_binary, [pin], [ref.id], %{pin: 0}, :infinity)
+    assert n == byte_size(data)
+    assert Finalizer.read_memory(pid, probe, nonce, at, n) == {:ok, data}
+    assert Finalizer.read_memory(pid, probe, nonce, at + 4096, n - 8192) == {:ok, binary_part(data, 4096, n - 8192)}
+    assert Finalizer.read_memory(pid, probe, :binary.copy(<<7>>, 16), at, n) == {:error, :not_the_worker}
+    assert Finalizer.read_memory(pid, 4096, nonce, at, n) == {:error, :efault}
+    send(conn.releaser, {:moat_release, pin})
   end
 end

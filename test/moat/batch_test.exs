@@ -294,7 +294,12 @@ defmodule Moat.BatchTest do
         Client.cast(conn, :add, [dependent], [bad | ins], %{type: {:f, 32}})
         fine = Nx.add(one, one)
         assert queued(w) >= 3
-        {Handles.ref(conn, bad), Handles.ref(conn, dependent), fine}
+        # One handle per id (each owns its id's release).
+        {bad, dependent} = {Handles.ref(conn, bad), Handles.ref(conn, dependent)}
+        # This read writes the queued frames itself, its own frame last.
+        e = assert_raise Error, fn -> Moat.to_binary(dependent) end
+        assert e.message =~ "unknown op frobnicate"
+        {bad, dependent, fine}
       end)
 
     for ref <- [bad, dependent] do
@@ -317,11 +322,14 @@ defmodule Moat.BatchTest do
         big = Nx.sum(Nx.add(Nx.broadcast(one, {16 * 1024 * 1024}), one))
         small = Nx.add(one, one)
         assert queued(w) >= 3
+        # The read writes the queued frames with its own last, and fails alone.
+        e = assert_raise Error, fn -> Nx.to_flat_list(big) end
+        assert e.reason == :op_failed
+        assert e.kind == :memory_limit, inspect(e)
         {big, small}
       end)
 
     e = assert_raise Error, fn -> Nx.to_flat_list(big) end
-    assert e.reason == :op_failed
     assert e.kind == :memory_limit, inspect(e)
     assert Nx.to_flat_list(small) == [2.0]
     assert Nx.to_flat_list(Nx.add(t([1.0], w), 1)) == [2.0]

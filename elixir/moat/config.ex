@@ -24,7 +24,7 @@ defmodule Moat.Config do
      "the worker's memory limit in bytes (`nil`: MLX's, about 80% of RAM; `Moat.set_memory_limit/2` changes it live)"},
     {:window, 1024, :worker, "fire-and-forget frames sent but not yet acknowledged before a sender waits"},
     {:batch_writes, true, :worker,
-     "fire-and-forget frames of a local worker queue in one ordered outbox and go out in batches (docs/latency.md, \"Batched writes\"; needs the finalizer NIF)"},
+     "fire-and-forget frames of a local worker queue in one ordered outbox (in the finalizer NIF) and go out as batch packets (protocol.md §1, \"Batches\"); a call behind queued frames writes them with its own frame last; `false`: every frame is written by its caller (remote workers and VMs without the NIF always do)"},
     {:chunk_bytes, 64 * @mib, :worker, "chunk size of large tensors on the pipe"},
     {:max_frame_bytes, 320 * @mib, :worker, "the largest frame either side accepts"},
     {:shared_memory, true, :worker,

@@ -1,12 +1,12 @@
 # batch_writes on and off in one VM, interleaved round by round (docs/latency.md,
-# "Batched writes, landed"): the default worker and one with batch_writes:
-# false, each with its own tensors. mix run -r bench/support.exs bench/batch_ab.exs
+# "Batched writes, landed"): a worker with batch_writes: true and the
+# default one (false), each with its own tensors. mix run -r bench/support.exs bench/batch_ab.exs
 import Bench
-{:ok, _} = Moat.Worker.start_link(name: :ab_off, batch_writes: false)
-on = moat(f32(4, 1.5), {4})
-off = moat(f32(4, 1.5), {4}, :ab_off)
-c_on = Moat.Client.conn(Moat.Worker)
-c_off = Moat.Client.conn(:ab_off)
+{:ok, _} = Moat.Worker.start_link(name: :ab_on, batch_writes: true)
+on = moat(f32(4, 1.5), {4}, :ab_on)
+off = moat(f32(4, 1.5), {4})
+c_on = Moat.Client.conn(:ab_on)
+c_off = Moat.Client.conn(Moat.Worker)
 true = c_on.outbox != nil and c_off.outbox == nil
 
 rows = [

@@ -42,7 +42,7 @@ defmodule Moat.BatchTest do
   end
 
   test "a local worker has an outbox; a chain of casts comes out right" do
-    w = start_worker(:batch_chain, log_level: :error)
+    w = start_worker(:batch_chain, batch_writes: true, log_level: :error)
     assert Client.conn(w).outbox != nil
     one = t([1.0, 2.0, 3.0, 4.0], w)
     sum = Enum.reduce(1..3000, one, fn _, acc -> Nx.add(acc, one) end)
@@ -58,7 +58,7 @@ defmodule Moat.BatchTest do
   end
 
   test "a handle passed to other processes before its defining frame is written reads back right" do
-    w = start_worker(:batch_handoff, log_level: :error)
+    w = start_worker(:batch_handoff, batch_writes: true, log_level: :error)
     parent = self()
 
     for round <- 1..20 do
@@ -97,7 +97,7 @@ defmodule Moat.BatchTest do
   end
 
   test "casts and calls from many processes interleave, each caller's answers its own and in order" do
-    w = start_worker(:batch_many, log_level: :error)
+    w = start_worker(:batch_many, batch_writes: true, log_level: :error)
 
     tasks =
       for p <- 1..8 do
@@ -120,7 +120,9 @@ defmodule Moat.BatchTest do
   end
 
   test "an upload behind pending casts goes in its place, whole" do
-    w = start_worker(:batch_upload, shared_memory: false, chunk_bytes: 256 * 1024, log_level: :error)
+    w =
+      start_worker(:batch_upload, batch_writes: true, shared_memory: false, chunk_bytes: 256 * 1024, log_level: :error)
+
     data = for i <- 0..(300_000 - 1), into: <<>>, do: <<rem(i, 251)::8>>
     one = t([1.0], w)
 
@@ -138,7 +140,7 @@ defmodule Moat.BatchTest do
   end
 
   test "the window holds a batched producer: pushed frames count against it" do
-    w = start_worker(:batch_window, window: 8, log_level: :error)
+    w = start_worker(:batch_window, batch_writes: true, window: 8, log_level: :error)
     conn = Client.conn(w)
     one = t([1.0], w)
     parent = self()
@@ -161,7 +163,7 @@ defmodule Moat.BatchTest do
   end
 
   test "a batch pending when the worker is SIGKILLed: every caller is answered, none hangs" do
-    w = start_worker(:batch_killed, log_level: :error)
+    w = start_worker(:batch_killed, batch_writes: true, log_level: :error)
     generation = Moat.Worker.info(w).generation
     os = os_pid(w)
     parent = self()
@@ -208,7 +210,7 @@ defmodule Moat.BatchTest do
   end
 
   test "a writer killed on purpose takes its worker down: callers get :worker_died, the worker restarts" do
-    w = start_worker(:batch_writer_killed, log_level: :error)
+    w = start_worker(:batch_writer_killed, batch_writes: true, log_level: :error)
     generation = Moat.Worker.info(w).generation
     os = os_pid(w)
     parent = self()
@@ -241,7 +243,7 @@ defmodule Moat.BatchTest do
   end
 
   test "iodata nested deeper than the NIF's walk is queued whole (flattened), not refused" do
-    w = start_worker(:batch_deep, shared_memory: false, log_level: :error)
+    w = start_worker(:batch_deep, batch_writes: true, shared_memory: false, log_level: :error)
     conn = Client.conn(w)
     bytes = f32([1.0, 2.0, 3.0, 4.0])
     # 100 levels of nesting, bytes and binaries mixed at the bottom.
@@ -281,7 +283,7 @@ defmodule Moat.BatchTest do
   end
 
   test "a failed cast in a batch poisons what depends on it, and only that" do
-    w = start_worker(:batch_poison, log_level: :error)
+    w = start_worker(:batch_poison, batch_writes: true, log_level: :error)
     conn = Client.conn(w)
     one = t([1.0, 2.0], w)
     ins = Handles.ids!(conn, [one.data.ref], :add)
@@ -312,7 +314,7 @@ defmodule Moat.BatchTest do
   end
 
   test "an op over the memory limit in a batch fails alone; the worker keeps serving" do
-    w = start_worker(:batch_limit, log_level: :error)
+    w = start_worker(:batch_limit, batch_writes: true, log_level: :error)
     Moat.set_memory_limit(16 * 1024 * 1024, w)
     one = t([1.0], w)
 
@@ -336,7 +338,7 @@ defmodule Moat.BatchTest do
   end
 
   test "releases of collected tensors queue behind the frames that use them" do
-    w = start_worker(:batch_release, log_level: :error)
+    w = start_worker(:batch_release, batch_writes: true, log_level: :error)
     base = t([1.0, 2.0], w)
     before = Moat.memory_info(w).tensors
     parent = self()
@@ -370,7 +372,7 @@ defmodule Moat.BatchTest do
   end
 
   test "the port closed while frames are queued: every caller is answered, the worker restarts" do
-    w = start_worker(:batch_closed, log_level: :error)
+    w = start_worker(:batch_closed, batch_writes: true, log_level: :error)
     generation = Moat.Worker.info(w).generation
     conn = Client.conn(w)
     one = t([1.0], w)
@@ -426,7 +428,7 @@ defmodule Moat.BatchTest do
   end
 
   test "protocol.md's malformed batch example, sent to a real worker: the documented refusals, once each" do
-    w = start_worker(:batch_malformed_doc, log_level: :error)
+    w = start_worker(:batch_malformed_doc, batch_writes: true, log_level: :error)
     conn = Client.conn(w)
     doc = File.read!(Path.expand("../../protocol.md", __DIR__))
     [_, hex] = Regex.run(~r/```batch-malformed-hex\n(.*?)```/s, doc)

@@ -63,9 +63,10 @@ defmodule Moat.Shared do
 
     # Every way checks the probe first: a pid that is not this worker's
     # leaves the pipe. A GPU worker keeps sealed files: MLX's CUDA allocator
-    # puts every buffer in CUDA managed memory, which the worker itself can
-    # copy from, but process_vm_readv has not been tried on it (it pins the
-    # remote pages; /proc/<pid>/mem and sealed copies do not).
+    # puts every buffer in CUDA managed memory. process_vm_readv reads it
+    # (bench/gpu_managed_readback.py on an H100: right bytes, 1.6 GB/s while
+    # the pages migrate to the host, 6.9 GB/s once there), but Moat's GPU
+    # worker has not been run that way (bin/gpu).
     cond do
       mode == true and :gpu not in Map.get(info, :devices, []) and match?({:ok, _}, read_memory(shared, address, 0)) ->
         Map.put(shared, :via, :process_vm)

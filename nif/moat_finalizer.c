@@ -29,6 +29,9 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/uio.h>
+#include <poll.h>
+#include <sched.h>
+#include <time.h>
 #include <unistd.h>
 
 /* The ids one releaser has not taken yet. Queues live as long as the
@@ -792,6 +795,25 @@ static ERL_NIF_TERM outbox_queued(ErlNifEnv* env, int argc, const ERL_NIF_TERM a
   return enif_make_uint64(env, n);
 }
 
+/* wait_readable(Fd, MaxUs) -> true | false: polls Fd without sleeping for
+ * up to MaxUs microseconds (at most 200) until it is readable. */
+static ERL_NIF_TERM wait_readable(ErlNifEnv* env, int argc, const ERL_NIF_TERM argv[]) {
+  int fd, max_us;
+  (void)argc;
+  if (!enif_get_int(env, argv[0], &fd) || fd < 0 || !enif_get_int(env, argv[1], &max_us) || max_us < 0 || max_us > 200)
+    return enif_make_badarg(env);
+  struct timespec t0, t;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  for (;;) {
+    struct pollfd p = {fd, POLLIN, 0};
+    if (poll(&p, 1, 0) > 0) return atom_true;
+    /* The worker may be waiting for this CPU (a busy machine). */
+    sched_yield();
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    if ((t.tv_sec - t0.tv_sec) * 1000000L + (t.tv_nsec - t0.tv_nsec) / 1000 >= max_us) return atom_false;
+  }
+}
+
 static ERL_NIF_TERM loaded(ErlNifEnv* env, int argc, const ERL_NIF_TERM argv[]) {
   (void)env;
   (void)argc;
@@ -848,6 +870,7 @@ static ErlNifFunc funcs[] = {
     {"map_sealed", 3, map_sealed, 0},
     {"read_memory", 5, read_memory, ERL_NIF_DIRTY_JOB_CPU_BOUND},
     {"trim_pool", 0, trim_pool, 0},
+    {"wait_readable", 2, wait_readable, 0},
     {"outbox_new", 2, outbox_new, 0},
     {"outbox_push", 2, outbox_push, 0},
     {"outbox_call", 2, outbox_call, 0},

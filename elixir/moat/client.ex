@@ -39,7 +39,8 @@ defmodule Moat.Client do
     :chunk_bytes,
     :info,
     :shared,
-    :outbox
+    :outbox,
+    :reply_fd
   ]
 
   @type t :: %__MODULE__{
@@ -55,11 +56,15 @@ defmodule Moat.Client do
           chunk_bytes: pos_integer(),
           info: map(),
           shared: Shared.t() | nil,
-          outbox: reference() | nil
+          outbox: reference() | nil,
+          reply_fd: non_neg_integer() | nil
         }
 
   # Handles whose ids the next frame of this process reads (see pin/1).
   @pinned :moat_pinned
+  # The longest a caller waits awake for a reply (Finalizer.wait_readable/2's
+  # own bound).
+  @max_spin_us 200
 
   # :atomics slots of a connection
   @seq 1
@@ -404,6 +409,7 @@ defmodule Moat.Client do
   defp send_request(conn, op, seq, mref, frame, timeout) do
     try do
       command_call(conn, op, frame)
+      spin(conn)
       await(conn, op, seq, mref, [], timeout)
     rescue
       e in Error ->
@@ -412,29 +418,32 @@ defmodule Moat.Client do
     end
   end
 
-  # With `config :moat, call_poll_us: N`, the caller polls its mailbox for
-  # up to N µs before it blocks (yielding between polls, so the owner
-  # relaying the reply can run on this scheduler): a process blocked in
-  # `receive` lets its scheduler go to sleep, and on an idle VM waking it
-  # again cost more than a whole small call. Off by default: the polling
-  # scheduler keeps its CPU, which a call that evaluates needs for MLX's
-  # threads on a 2-core machine (docs/latency.md, "The VM side").
-  defp await(conn, op, seq, mref, chunks, timeout) do
-    case Moat.Config.get(:call_poll_us) do
+  # A caller blocked in `receive` lets its scheduler go to sleep (in
+  # epoll_wait), and when the worker's reply comes after that, the write
+  # that carries it must wake the scheduler's halted CPU: about 25 µs on a
+  # 2-vCPU VM, where a whole `:sync` takes 6 (docs/latency.md, "A small
+  # readback, on the scheduler timeline", "The caller waits awake"). So the
+  # caller first waits up to `:call_spin_us` for the pipe the worker
+  # answers on to become readable, without sleeping (a NIF polling it): the
+  # scheduler then reads the reply at once. Only when no other call of the
+  # connection waits: one spinning caller per connection is enough to keep
+  # the pipe read, and a queue of them would only burn CPU.
+  defp spin(%__MODULE__{reply_fd: fd, table: table}) when is_integer(fd) do
+    case Config.get(:call_spin_us) do
       us when is_integer(us) and us > 0 ->
-        now = System.monotonic_time(:microsecond)
-        us = if is_integer(timeout), do: min(us, timeout * 1000), else: us
-        await(conn, op, seq, mref, chunks, timeout, {now, now + us})
+        if :ets.info(table, :size) <= 1, do: Finalizer.wait_readable(fd, min(us, @max_spin_us))
 
       _ ->
-        await(conn, op, seq, mref, chunks, timeout, nil)
+        false
     end
   end
 
-  defp await(conn, op, seq, mref, chunks, timeout, polling) do
+  defp spin(_conn), do: false
+
+  defp await(conn, op, seq, mref, chunks, timeout) do
     receive do
       {^mref, {:more, chunk}} ->
-        await(conn, op, seq, mref, [chunks | chunk], timeout, polling)
+        await(conn, op, seq, mref, [chunks | chunk], timeout)
 
       {^mref, {:ok, result, last}} ->
         Process.demonitor(mref, [:flush])
@@ -447,29 +456,11 @@ defmodule Moat.Client do
       {:DOWN, ^mref, :process, _, reason} ->
         {:error, Error.new(:worker_died, op, died(reason, conn))}
     after
-      after_ms(polling, timeout) ->
-        case polling do
-          nil ->
-            forget(conn, seq, mref)
-            {:error, Error.new(:timeout, op, "no reply within #{timeout} ms")}
-
-          {start, until} ->
-            now = System.monotonic_time(:microsecond)
-
-            if now < until do
-              :erlang.yield()
-              await(conn, op, seq, mref, chunks, timeout, polling)
-            else
-              # The time polled counts against the call's timeout.
-              left = if is_integer(timeout), do: max(timeout - div(now - start, 1000), 0), else: timeout
-              await(conn, op, seq, mref, chunks, left, nil)
-            end
-        end
+      timeout ->
+        forget(conn, seq, mref)
+        {:error, Error.new(:timeout, op, "no reply within #{timeout} ms")}
     end
   end
-
-  defp after_ms(nil, timeout), do: timeout
-  defp after_ms(_polling, _timeout), do: 0
 
   defp join([], last), do: last
   defp join(chunks, last), do: IO.iodata_to_binary([chunks | last])

@@ -46,8 +46,8 @@ defmodule Moat.Config do
     {:fallback, :silent, :use, "ops that run on `Nx.BinaryBackend`: `:silent`, `:warn` or `:raise`"},
     {:inspect_backend, true, :use, "`inspect/2` of a tensor shows `Moat.Backend(device)` on its first line"},
     {:max_programs, 256, :use, "programs `Moat.Compiler` keeps per worker, and jitted functions it keeps lowered"},
-    {:call_poll_us, 0, :use,
-     "µs a synchronous call polls its mailbox before it blocks (docs/latency.md, \"The VM side\"; `0`: off)"},
+    {:call_spin_us, 50, :use,
+     "µs a synchronous call to a worker on this host waits awake (a NIF polling the pipe the worker answers on, at most 200) before it blocks, so that the reply needs no sleeping CPU woken (docs/latency.md, \"The caller waits awake\"; `0`: off)"},
     {:mlx, :cpu, :compile,
      "the MLX build the worker links (`:cpu`, `:cuda13`; `$MOAT_MLX` overrides; `mix moat.setup` installs it)"}
   ]

@@ -114,6 +114,14 @@ defmodule Moat.Finalizer do
   @spec trim_pool() :: :ok
   def trim_pool, do: :ok
 
+  @doc """
+  Waits up to `max_us` microseconds (at most 200) for file descriptor `fd`
+  of this VM to become readable, without sleeping: true once it is, false
+  when the time is up (and without the NIF).
+  """
+  @spec wait_readable(non_neg_integer(), 0..200) :: boolean()
+  def wait_readable(_fd, _max_us), do: false
+
   @doc "Whether the token was released (explicitly, or by its destructor)."
   @spec released?(reference()) :: boolean()
   def released?(token), do: :atomics.get(token, 1) == 1

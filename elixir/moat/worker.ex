@@ -212,7 +212,8 @@ defmodule Moat.Worker do
         chunk_bytes: chunk,
         info: info,
         shared: Shared.negotiate(info, setting.(:shared_memory_threshold), setting.(:shared_memory)),
-        outbox: outbox
+        outbox: outbox,
+        reply_fd: reply_fd(port, info)
       }
 
       Releaser.attach(releaser, &Client.cast(conn, :release, [], &1, nil))
@@ -239,6 +240,34 @@ defmodule Moat.Worker do
          watchdog: watchdog,
          progress: {0, now_ms()}
        }}
+    end
+  end
+
+  # This VM's end of the pipe a local worker answers on (the worker's fd 4,
+  # `:nouse_stdio`), found through /proc: a call waits awake for it to become
+  # readable (Moat.Client, `:call_spin_us`). nil where that cannot be told,
+  # or for a remote worker.
+  defp reply_fd(port, %{os_pid: os_pid}) when is_port(port) and is_integer(os_pid) do
+    with true <- Finalizer.loaded?(),
+         {:ok, "pipe:" <> _ = pipe} <- File.read_link("/proc/#{os_pid}/fd/4"),
+         {:ok, fds} <- File.ls("/proc/self/fd") do
+      Enum.find_value(fds, fn fd ->
+        if File.read_link("/proc/self/fd/" <> fd) == {:ok, pipe} and read_only?(fd), do: String.to_integer(fd)
+      end)
+    else
+      _ -> nil
+    end
+  end
+
+  defp reply_fd(_port, _info), do: nil
+
+  # fdinfo's flags are octal; the access mode is their two low bits.
+  defp read_only?(fd) do
+    with {:ok, text} <- File.read("/proc/self/fdinfo/" <> fd),
+         [_, flags] <- Regex.run(~r/^flags:\s+([0-7]+)$/m, text) do
+      Bitwise.band(String.to_integer(flags, 8), 3) == 0
+    else
+      _ -> false
     end
   end
 

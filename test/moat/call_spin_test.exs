@@ -101,6 +101,15 @@ defmodule Moat.CallSpinTest do
     for i <- 1..4, do: assert_receive({:done, ^i, %Error{reason: :worker_died}}, 2_000)
   end
 
+  # Moat.Client clamps the setting to the NIF's own bound (200 µs): the two
+  # must agree, or every call would raise.
+  test "a setting above the bound waits at most the bound" do
+    Application.put_env(:moat, :call_spin_us, 10_000_000)
+    assert Client.conn(Moat.Worker).reply_fd != nil
+    t = Nx.from_binary(f32([3.0]), :f32, backend: Moat.Backend)
+    assert Nx.to_binary(Nx.add(t, 1)) == f32([4.0])
+  end
+
   test "the timeout holds" do
     name = :call_spin_slow
     start_supervised!({Moat.Worker, name: name})

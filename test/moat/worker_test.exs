@@ -188,6 +188,22 @@ defmodule Moat.WorkerTest do
 
       assert Moat.to_binary(last) == f32([3001.0])
     end
+
+    test "a window of 1: each cast waits for the ack the worker sends once its input stays empty" do
+      worker = start_worker(:window_of_one, window: 1)
+      conn = Client.conn(worker)
+      one = Moat.from_binary(f32([1.0]), {1}, {:f, 32}, worker: worker)
+
+      [last | _] =
+        Enum.reduce(1..300, [one], fn _, [acc | _] = all ->
+          id = Client.new_id()
+          Client.cast(conn, :add, [id], Handles.ids!(conn, [acc, one], :add), %{type: {:f, 32}})
+          assert :atomics.get(conn.counters, 2) - Client.acked(conn) <= 1
+          [Handles.ref(conn, id) | all]
+        end)
+
+      assert Moat.to_binary(last) == f32([301.0])
+    end
   end
 
   describe "crashes" do

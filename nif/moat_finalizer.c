@@ -226,21 +226,19 @@ static ERL_NIF_TERM errno_error(ErlNifEnv* env, int e) {
  * never changes) or remove a seal. */
 #define REQUIRED_SEALS (F_SEAL_SHRINK | F_SEAL_WRITE | F_SEAL_SEAL)
 
-/* map_sealed(Path, Inode, Bytes) -> {ok, Binary} | {error, Why}.
- *
- * Opens Path (the worker's /proc/<pid>/fd/<n>) read-only, checks that it is
- * the file the worker announced (Inode, so that a dead worker's pid taken
- * by another process is never read), that it holds Bytes bytes and carries
- * REQUIRED_SEALS, and maps it. The binary stays valid whatever becomes of
- * the worker: the mapping holds the file's pages. */
-static ERL_NIF_TERM map_sealed(ErlNifEnv* env, int argc, const ERL_NIF_TERM argv[]) {
+/* Maps the sealed file Path (the worker's /proc/<pid>/fd/<n>) read-only:
+ * opens it, checks that it is the file the worker announced (Inode, so that
+ * a dead worker's pid taken by another process is never read), that it
+ * holds FileBytes bytes and carries REQUIRED_SEALS, maps all of it, and
+ * returns the binary over its Bytes bytes from Offset. The binary stays
+ * valid whatever becomes of the worker: the mapping holds the file's pages. */
+static ERL_NIF_TERM map_file(ErlNifEnv* env, ERL_NIF_TERM path_term, ErlNifUInt64 inode, ErlNifUInt64 file_bytes,
+                             ErlNifUInt64 offset, ErlNifUInt64 bytes) {
   ErlNifBinary path;
-  ErlNifUInt64 inode, bytes;
   char name[256];
-  (void)argc;
-  if (!enif_inspect_binary(env, argv[0], &path) || !enif_get_uint64(env, argv[1], &inode) ||
-      !enif_get_uint64(env, argv[2], &bytes) || path.size == 0 || path.size >= sizeof(name) ||
-      memchr(path.data, 0, path.size) != NULL || bytes == 0) {
+  if (!enif_inspect_binary(env, path_term, &path) || path.size == 0 || path.size >= sizeof(name) ||
+      memchr(path.data, 0, path.size) != NULL || bytes == 0 ||
+      offset > file_bytes || bytes > file_bytes - offset) {
     return enif_make_badarg(env);
   }
   memcpy(name, path.data, path.size);
@@ -254,7 +252,7 @@ static ERL_NIF_TERM map_sealed(ErlNifEnv* env, int argc, const ERL_NIF_TERM argv
     refused = errno_error(env, errno);
   } else if ((ErlNifUInt64)st.st_ino != inode) {
     refused = error(env, "not_the_workers_file");
-  } else if (st.st_size < 0 || (ErlNifUInt64)st.st_size != bytes) {
+  } else if (st.st_size < 0 || (ErlNifUInt64)st.st_size != file_bytes) {
     refused = error(env, "wrong_size");
   } else {
     int seals = fcntl(fd, F_GET_SEALS);
@@ -264,7 +262,7 @@ static ERL_NIF_TERM map_sealed(ErlNifEnv* env, int argc, const ERL_NIF_TERM argv
     close(fd);
     return refused;
   }
-  void* data = mmap(NULL, (size_t)bytes, PROT_READ, MAP_SHARED, fd, 0);
+  void* data = mmap(NULL, (size_t)file_bytes, PROT_READ, MAP_SHARED, fd, 0);
   int map_errno = errno;
   /* The mapping keeps the file alive; the descriptor is not needed. */
   close(fd);
@@ -272,14 +270,36 @@ static ERL_NIF_TERM map_sealed(ErlNifEnv* env, int argc, const ERL_NIF_TERM argv
 
   mapping* m = enif_alloc_resource(MAPPING, sizeof(mapping));
   if (m == NULL) {
-    munmap(data, (size_t)bytes);
+    munmap(data, (size_t)file_bytes);
     return error(env, "enomem");
   }
   m->data = data;
-  m->len = (size_t)bytes;
-  ERL_NIF_TERM bin = enif_make_resource_binary(env, m, data, (size_t)bytes);
+  m->len = (size_t)file_bytes;
+  ERL_NIF_TERM bin = enif_make_resource_binary(env, m, (char*)data + offset, (size_t)bytes);
   enif_release_resource(m);
   return enif_make_tuple2(env, enif_make_atom(env, "ok"), bin);
+}
+
+/* map_sealed(Path, Inode, Bytes) -> {ok, Binary} | {error, Why}: a sealed
+ * readback file of exactly Bytes bytes, all of it (map_file). */
+static ERL_NIF_TERM map_sealed(ErlNifEnv* env, int argc, const ERL_NIF_TERM argv[]) {
+  ErlNifUInt64 inode, bytes;
+  (void)argc;
+  if (!enif_get_uint64(env, argv[1], &inode) || !enif_get_uint64(env, argv[2], &bytes)) return enif_make_badarg(env);
+  return map_file(env, argv[0], inode, bytes, 0, bytes);
+}
+
+/* map_sealed(Path, Inode, FileBytes, Offset, Bytes) -> {ok, Binary} |
+ * {error, Why}: Bytes bytes at Offset of a sealed file of FileBytes bytes
+ * (a worker's exported buffer, protocol.md §6 "Zero-copy readback"). */
+static ERL_NIF_TERM map_sealed_range(ErlNifEnv* env, int argc, const ERL_NIF_TERM argv[]) {
+  ErlNifUInt64 inode, file_bytes, offset, bytes;
+  (void)argc;
+  if (!enif_get_uint64(env, argv[1], &inode) || !enif_get_uint64(env, argv[2], &file_bytes) ||
+      !enif_get_uint64(env, argv[3], &offset) || !enif_get_uint64(env, argv[4], &bytes)) {
+    return enif_make_badarg(env);
+  }
+  return map_file(env, argv[0], inode, file_bytes, offset, bytes);
 }
 
 /* Readback buffers: anonymous memory of this VM, in whole 2 MiB pages
@@ -877,6 +897,7 @@ static ErlNifFunc funcs[] = {
     {"loaded?", 0, loaded, 0},
     {"drain", 1, token_drain, 0},
     {"map_sealed", 3, map_sealed, 0},
+    {"map_sealed", 5, map_sealed_range, 0},
     {"read_memory", 5, read_memory, ERL_NIF_DIRTY_JOB_CPU_BOUND},
     {"trim_pool", 0, trim_pool, 0},
     {"wait_readable", 2, wait_readable, 0},

@@ -101,6 +101,28 @@ int moat_reset_peak_memory(void);
 int moat_set_memory_limit(size_t limit, size_t* previous);
 int moat_set_cache_limit(size_t limit, size_t* previous);
 int moat_clear_cache(void);
+// Large CPU buffers in memory files (alloc.cpp): bytes in live ones and in
+// freed ones kept for reuse (counted by the memory functions above), and
+// files open for them.
+size_t moat_buffer_files_live(void);
+size_t moat_buffer_files_cached(void);
+size_t moat_buffer_files_peak(void);
+size_t moat_buffer_files_open(void);
+void moat_buffer_files_reset_peak(void);
+void moat_buffer_files_cache_limit(size_t limit);
+void moat_buffer_files_clear_cache(void);
+// The memory file holding an evaluated, row-contiguous array's bytes, made
+// read-only and sealed for good (alloc.cpp); out->fd is -1 when its bytes
+// are in no such file.
+typedef struct {
+  int fd;
+  size_t file_bytes;
+  size_t offset;
+} moat_export;
+// `seal` 0 leaves it unsealed (the fault-injection build's `:unsealed`).
+int moat_array_export(const moat_array* a, int seal, moat_export* out);
+// Lets go of exported buffers nothing else holds; returns how many are held.
+size_t moat_exports_sweep(void);
 // The lazy graph behind an array: its status, identity, op, inputs and
 // siblings (handles written to *out are new and owned by the caller).
 int moat_array_unscheduled(const moat_array* a);

@@ -46,6 +46,16 @@ pub fn memory_file(name: &CStr) -> io::Result<File> {
     Ok(unsafe { File::from_raw_fd(fd) })
 }
 
+/// The inode of an open descriptor.
+pub fn inode(fd: RawFd) -> io::Result<u64> {
+    // SAFETY: `st` is a valid out-pointer; fstat only reads `fd`.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    if unsafe { libc::fstat(fd, &mut st) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(st.st_ino)
+}
+
 /// Fixes a memory file's size for good: no one (the worker or another
 /// process holding it open) can shrink it, so a mapping of it never faults
 /// past its end (SIGBUS).

@@ -111,9 +111,43 @@ static void wake(ErlNifEnv* caller_env, queue* q) {
   enif_free_env(msg_env);
 }
 
+/* Terms kept on tokens (keep/2): a large readback's mapped binary, which
+ * the tensor's next readback returns instead of mapping its file again (its
+ * pages are mapped in this VM already). Outside the token struct, so that
+ * tokens made by an older load of this library (before an upgrade) stay
+ * readable. Few (one per live tensor read back as a mapping): a list. */
+typedef struct kept {
+  const token* owner;
+  ErlNifEnv* env;
+  ERL_NIF_TERM term;
+  struct kept* next;
+} kept;
+
+static ErlNifMutex* kept_lock;
+static kept* kepts;
+
+/* Drops what `t` keeps, if anything. */
+static void forget_kept(const token* t) {
+  kept* gone = NULL;
+  enif_mutex_lock(kept_lock);
+  for (kept** at = &kepts; *at != NULL; at = &(*at)->next) {
+    if ((*at)->owner == t) {
+      gone = *at;
+      *at = gone->next;
+      break;
+    }
+  }
+  enif_mutex_unlock(kept_lock);
+  if (gone != NULL) {
+    enif_free_env(gone->env);
+    enif_free(gone);
+  }
+}
+
 static void token_dtor(ErlNifEnv* caller_env, void* obj) {
   token* t = (token*)obj;
   queue* q = t->to;
+  forget_kept(t);
   if (!take(t)) return;
   enif_mutex_lock(q->lock);
   if (q->len == q->cap) {
@@ -178,7 +212,60 @@ static ERL_NIF_TERM token_release(ErlNifEnv* env, int argc, const ERL_NIF_TERM a
   token* t;
   (void)argc;
   if (!enif_get_resource(env, argv[0], TOKEN, (void**)&t)) return enif_make_badarg(env);
-  return take(t) ? atom_true : atom_false;
+  int first = take(t);
+  forget_kept(t);
+  return first ? atom_true : atom_false;
+}
+
+/* keep(Token, Term) -> true, or false when the token keeps a term already
+ * or was released. Term is copied (a binary in it is shared, not copied)
+ * and kept until the token is released or collected. */
+static ERL_NIF_TERM token_keep(ErlNifEnv* env, int argc, const ERL_NIF_TERM argv[]) {
+  token* t;
+  (void)argc;
+  if (!enif_get_resource(env, argv[0], TOKEN, (void**)&t)) return enif_make_badarg(env);
+  kept* k = enif_alloc(sizeof(kept));
+  ErlNifEnv* held = k ? enif_alloc_env() : NULL;
+  if (held == NULL) {
+    if (k) enif_free(k);
+    return atom_false;
+  }
+  k->owner = t;
+  k->env = held;
+  k->term = enif_make_copy(held, argv[1]);
+  int taken = 0;
+  enif_mutex_lock(kept_lock);
+  /* Checked under the lock: a release after this sees the entry and drops it. */
+  if (__atomic_load_n(&t->released, __ATOMIC_ACQUIRE)) taken = 1;
+  for (kept* at = kepts; at != NULL && !taken; at = at->next) taken = at->owner == t;
+  if (!taken) {
+    k->next = kepts;
+    kepts = k;
+  }
+  enif_mutex_unlock(kept_lock);
+  if (taken) {
+    enif_free_env(held);
+    enif_free(k);
+    return atom_false;
+  }
+  return atom_true;
+}
+
+/* kept(Token) -> the term keep/2 kept on it, or nil. */
+static ERL_NIF_TERM token_kept(ErlNifEnv* env, int argc, const ERL_NIF_TERM argv[]) {
+  token* t;
+  (void)argc;
+  if (!enif_get_resource(env, argv[0], TOKEN, (void**)&t)) return enif_make_badarg(env);
+  ERL_NIF_TERM found = enif_make_atom(env, "nil");
+  enif_mutex_lock(kept_lock);
+  for (kept* at = kepts; at != NULL; at = at->next) {
+    if (at->owner == t) {
+      found = enif_make_copy(env, at->term);
+      break;
+    }
+  }
+  enif_mutex_unlock(kept_lock);
+  return found;
 }
 
 /* released(Token) -> whether release/1 or the destructor has run. */
@@ -875,7 +962,8 @@ static int load(ErlNifEnv* env, void** priv, ERL_NIF_TERM info) {
   (void)info;
   queues_lock = enif_mutex_create("moat_release_queues");
   pool_lock = enif_mutex_create("moat_readback_pool");
-  if (queues_lock == NULL || pool_lock == NULL) return 1;
+  kept_lock = enif_mutex_create("moat_kept");
+  if (queues_lock == NULL || pool_lock == NULL || kept_lock == NULL) return 1;
   return open_token_type(env, ERL_NIF_RT_CREATE);
 }
 
@@ -886,7 +974,8 @@ static int upgrade(ErlNifEnv* env, void** priv, void** old_priv, ERL_NIF_TERM in
   (void)info;
   if (queues_lock == NULL) queues_lock = enif_mutex_create("moat_release_queues");
   if (pool_lock == NULL) pool_lock = enif_mutex_create("moat_readback_pool");
-  if (queues_lock == NULL || pool_lock == NULL) return 1;
+  if (kept_lock == NULL) kept_lock = enif_mutex_create("moat_kept");
+  if (queues_lock == NULL || pool_lock == NULL || kept_lock == NULL) return 1;
   return open_token_type(env, ERL_NIF_RT_CREATE | ERL_NIF_RT_TAKEOVER);
 }
 
@@ -894,6 +983,8 @@ static ErlNifFunc funcs[] = {
     {"new", 2, token_new, 0},
     {"release", 1, token_release, 0},
     {"released?", 1, token_released, 0},
+    {"keep", 2, token_keep, 0},
+    {"kept", 1, token_kept, 0},
     {"loaded?", 0, loaded, 0},
     {"drain", 1, token_drain, 0},
     {"map_sealed", 3, map_sealed, 0},

@@ -135,6 +135,19 @@ defmodule Moat.Finalizer do
   @spec wait_readable(non_neg_integer(), 0..200) :: boolean()
   def wait_readable(_fd, _max_us), do: false
 
+  @doc """
+  Keeps `term` on the token until it is released or collected (a copy; a
+  binary in it is shared, not copied): `true`, or `false` where it keeps a
+  term already, was released, or there is no NIF. Moat.Transfer keeps a
+  tensor's mapped readback there (protocol.md §6, "Zero-copy readback").
+  """
+  @spec keep(term(), term()) :: boolean()
+  def keep(_token, _term), do: :persistent_term.get({__MODULE__, :no_nif_keep}, false)
+
+  @doc "The term `keep/2` kept on the token, or nil."
+  @spec kept(term()) :: term()
+  def kept(_token), do: :persistent_term.get({__MODULE__, :no_nif_keep}, nil)
+
   @doc "Whether the token was released (explicitly, or by its destructor)."
   @spec released?(reference()) :: boolean()
   def released?(token), do: :atomics.get(token, 1) == 1

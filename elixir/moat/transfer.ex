@@ -114,7 +114,7 @@ defmodule Moat.Transfer do
 
     case Client.request(conn, :to_binary, [pin], [id], attrs, :infinity) do
       {:ok, meta, _} when is_map_key(meta, :address) or is_map_key(meta, :path) ->
-        read = Shared.read_pinned(shared, meta)
+        read = read_pinned(shared, meta, handle)
         if Finalizer.release(token), do: send(releaser, {:moat_release, pin})
 
         case read do
@@ -141,4 +141,32 @@ defmodule Moat.Transfer do
         reply
     end
   end
+
+  # A tensor's own buffer, exported (protocol.md §6, "Zero-copy readback"):
+  # the mapping kept on the tensor's token by its last readback, if it is of
+  # this file and range (its pages are mapped in this VM already, so reading
+  # it costs no page faults), else the file mapped now, and kept. The worker
+  # answered first, so every check of the id (poisoned, released) came
+  # before. Only such mappings are kept: the pages are the worker's buffer,
+  # alive anyway while the tensor is.
+  defp read_pinned(shared, %{offset: offset, inode: inode, file_bytes: file_bytes, bytes: bytes} = meta, handle) do
+    token = token(handle)
+    key = {inode, file_bytes, offset, bytes}
+
+    case token && Finalizer.kept(token) do
+      {^key, data} ->
+        {:ok, data}
+
+      _ ->
+        with {:ok, data} <- Shared.read_pinned(shared, meta) do
+          if token, do: Finalizer.keep(token, {key, data})
+          {:ok, data}
+        end
+    end
+  end
+
+  defp read_pinned(shared, meta, _handle), do: Shared.read_pinned(shared, meta)
+
+  defp token(%Moat.Ref{token: token}) when is_reference(token), do: token
+  defp token(_handle), do: nil
 end

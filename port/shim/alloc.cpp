@@ -310,6 +310,15 @@ alloc::Allocator& choose() {
 std::mutex g_exported_lock;
 std::vector<std::shared_ptr<mx::array::Data>> g_exported;
 
+// Keeps a reference to the array's data until `moat_exports_sweep` finds it
+// the only one left: MLX then never donates the buffer to an op's output.
+void hold(const mx::array& x) {
+  std::lock_guard<std::mutex> lock(g_exported_lock);
+  auto& data = x.data_shared_ptr();
+  bool held = std::any_of(g_exported.begin(), g_exported.end(), [&](auto& d) { return d == data; });
+  if (!held) g_exported.push_back(data);
+}
+
 }  // namespace
 
 namespace mlx::core::allocator {
@@ -366,15 +375,16 @@ int moat_array_export(const moat_array* a, int seal, moat_export* out) {
     int fd = -1;
     size_t len = 0, offset = 0;
     if (!g_files->export_range(x.data<char>(), x.nbytes(), seal != 0, &fd, &len, &offset)) return;
-    {
-      std::lock_guard<std::mutex> lock(g_exported_lock);
-      auto& data = x.data_shared_ptr();
-      bool held = std::any_of(g_exported.begin(), g_exported.end(), [&](auto& d) { return d == data; });
-      if (!held) g_exported.push_back(data);
-    }
+    hold(x);
     out->fd = fd;
     out->file_bytes = len;
     out->offset = offset;
+  });
+}
+
+int moat_array_hold(const moat_array* a) {
+  return guard([&] {
+    if (arr(a).data_shared_ptr() != nullptr) hold(arr(a));
   });
 }
 

@@ -121,6 +121,9 @@ typedef struct {
 } moat_export;
 // `seal` 0 leaves it unsealed (the fault-injection build's `:unsealed`).
 int moat_array_export(const moat_array* a, int seal, moat_export* out);
+// Holds an evaluated array's buffer as an exported one (MLX never donates it)
+// until nothing else holds it: for buffers exported outside alloc.cpp.
+int moat_array_hold(const moat_array* a);
 // Lets go of exported buffers nothing else holds; returns how many are held.
 size_t moat_exports_sweep(void);
 // The lazy graph behind an array: its status, identity, op, inputs and

@@ -486,18 +486,33 @@ fn exported(id: Id, data: &Evaluated) -> Option<Pairs> {
     let seal = !crate::fault::leave_unsealed();
     #[cfg(not(feature = "fault-injection"))]
     let seal = true;
-    let found = data
-        .export(seal)
-        .map_err(|e| log::warn!("readback of tensor {id} without its own buffer: {}", e.message))
-        .ok()??;
-    let inode = crate::sys::inode(found.fd)
-        .map_err(|e| log::warn!("readback of tensor {id} without its own buffer: {e}"))
-        .ok()?;
-    let path = format!("/proc/{}/fd/{}", crate::sys::os_pid(), found.fd);
+    // `:wild_pin` is a fault of the address a pin answers with.
+    #[cfg(feature = "fault-injection")]
+    if crate::fault::wild_pin() {
+        return None;
+    }
+    let warn = |message: String| log::warn!("readback of tensor {id} without its own buffer: {message}");
+    let found = match data.export(seal) {
+        Ok(Some(found)) => (found.fd, found.file_bytes, found.offset),
+        Ok(None) => {
+            // An upload's file, which MLX's allocator does not know: held
+            // first, so that MLX never writes into it (a sweep lets go of
+            // it if it is in no file).
+            data.hold().map_err(|e| warn(e.message)).ok()?;
+            crate::shared::export_upload(data.bytes(), seal).map_err(warn).ok()??
+        }
+        Err(e) => {
+            warn(e.message);
+            return None;
+        }
+    };
+    let (fd, file_bytes, offset) = found;
+    let inode = crate::sys::inode(fd).map_err(|e| warn(e.to_string())).ok()?;
+    let path = format!("/proc/{}/fd/{}", crate::sys::os_pid(), fd);
     Some(vec![
-        ("file_bytes", Term::int(found.file_bytes as u64)),
+        ("file_bytes", Term::int(file_bytes as u64)),
         ("inode", Term::int(inode)),
-        ("offset", Term::int(found.offset as u64)),
+        ("offset", Term::int(offset as u64)),
         ("path", Term::Binary(path.into_bytes())),
     ])
 }

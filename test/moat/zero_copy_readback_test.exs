@@ -21,6 +21,10 @@ defmodule Moat.ZeroCopyReadbackTest do
     "/proc/self/maps" |> File.read!() |> String.split("\n") |> Enum.count(&(&1 =~ "memfd:moat-buffer"))
   end
 
+  defp upload_maps do
+    "/proc/self/maps" |> File.read!() |> String.split("\n") |> Enum.count(&(&1 =~ "memfd:moat-upload"))
+  end
+
   # The worker's descriptors of buffer files (live and cached).
   defp buffer_fds(worker) do
     worker |> os_pid() |> Reliability.open_fds() |> Enum.count(fn {_, target} -> target =~ "memfd:moat-buffer" end)
@@ -84,14 +88,46 @@ defmodule Moat.ZeroCopyReadbackTest do
     assert File.exists?("/proc/#{os_pid(w)}/fd/#{fd}")
     send(conn.releaser, {:moat_release, pin})
 
-    # A small result, and an upload (not a buffer of MLX's), are read as
-    # before.
+    # A small result comes through the pipe.
     small = Nx.add(upload(bytes(1000), {:u, 8}, w), 1)
-    assert byte_size(Nx.to_binary(small)) == 1000
-    before = buffer_maps()
+    assert {:pipe, <<_::binary-size(1000)>>} = read_back(ref(small))
+  end
+
+  test "an upload's readback maps its memory file, and a tensor read back again returns the mapping it kept" do
+    w = start_worker(:zero_copy_again, log_level: :error)
+    data = bytes(4 * @mib)
     up = Moat.from_binary(data, {4 * @mib}, {:u, 8}, worker: w)
+    before = upload_maps()
     assert {:shared_memory, ^data} = read_back(up)
-    assert buffer_maps() == before
+    assert upload_maps() == before + 1
+    # Again: the same mapping, no new one, the same bytes.
+    for _ <- 1..3, do: assert({:shared_memory, ^data} = read_back(up))
+    assert upload_maps() == before + 1
+
+    computed = Nx.concatenate([upload(data, {:u, 8}, w), upload(data, {:u, 8}, w)])
+    maps = buffer_maps()
+    for _ <- 1..3, do: assert({:shared_memory, _} = read_back(ref(computed)))
+    assert buffer_maps() == maps + 1
+    assert Nx.to_binary(computed) == data <> data
+
+    # Another tensor over the same buffer (a view) reads the same bytes.
+    tail = Nx.pad(computed, 0, [{-(4 * @mib), 0, 0}])
+    assert Nx.to_binary(tail) == data
+
+    # An exported upload's file is never reused for another upload (the
+    # client would write into the pages the VM's binary maps).
+    held = Moat.to_binary(up)
+    snapshot = :binary.copy(held)
+    Moat.deallocate(up)
+
+    for _ <- 1..3 do
+      more = bytes(4 * @mib)
+      fresh = Moat.from_binary(more, {4 * @mib}, {:u, 8}, worker: w)
+      assert {:shared_memory, ^more} = read_back(fresh)
+      Moat.deallocate(fresh)
+    end
+
+    assert held == snapshot
   end
 
   test "a mapped readback stays readable and correct after its worker is killed" do

@@ -204,6 +204,15 @@ impl Evaluated {
     }
 }
 
+impl Evaluated {
+    /// Holds the buffer as an exported one (see `export`) until nothing
+    /// else holds it: for bytes exported from elsewhere (an upload's file).
+    pub fn hold(&self) -> Result<()> {
+        // SAFETY: `self.array.raw` is live and evaluated.
+        check(unsafe { ffi::moat_array_hold(self.array.raw) })
+    }
+}
+
 /// Where an exported tensor's bytes are (`Evaluated::export`): the file's
 /// descriptor in this process (open while the buffer lives), the file's
 /// size, and the bytes' offset in it.

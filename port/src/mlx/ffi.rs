@@ -128,6 +128,7 @@ extern "C" {
     pub fn moat_clear_cache() -> c_int;
     pub fn moat_buffer_files_open() -> usize;
     pub fn moat_array_export(a: *const moat_array, seal: c_int, out: *mut moat_export) -> c_int;
+    pub fn moat_array_hold(a: *const moat_array) -> c_int;
     pub fn moat_exports_sweep() -> usize;
     pub fn moat_array_unscheduled(a: *const moat_array) -> c_int;
     pub fn moat_array_available(a: *const moat_array) -> c_int;

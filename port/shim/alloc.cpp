@@ -25,10 +25,13 @@
 #include <dlfcn.h>
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <condition_variable>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -39,6 +42,7 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <typeinfo>
 #include <vector>
 
@@ -113,6 +117,13 @@ class FileAllocator final : public alloc::Allocator {
       }
     }
     if (!ours) return base_.free(buffer);
+    if (file.exported) {
+      // Freeing its pages (the VM's mapping may be gone already) takes
+      // milliseconds for tens of MiB: not on the thread that frees it, which
+      // serves the next request.
+      reap(Cached{base, file.fd, file.len});
+      return;
+    }
     unmap(base, file.len, file.fd);
   }
 
@@ -254,6 +265,41 @@ class FileAllocator final : public alloc::Allocator {
     close(fd);
   }
 
+  // Hands an exported buffer to the reaper thread, which unmaps it and
+  // closes its file at the lowest priority; inline where no thread starts.
+  void reap(Cached c) {
+    {
+      std::lock_guard<std::mutex> lock(reap_lock_);
+      if (!reaper_started_) {
+        reaper_started_ = true;
+        try {
+          std::thread([this] { reaper(); }).detach();
+          reaper_running_ = true;
+        } catch (...) {
+        }
+      }
+      if (reaper_running_) {
+        reaping_.push_back(c);
+        reap_ready_.notify_one();
+        return;
+      }
+    }
+    unmap(c.base, c.len, c.fd);
+  }
+
+  void reaper() {
+    setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), 19);
+    std::unique_lock<std::mutex> lock(reap_lock_);
+    for (;;) {
+      reap_ready_.wait(lock, [this] { return !reaping_.empty(); });
+      std::vector<Cached> batch;
+      batch.swap(reaping_);
+      lock.unlock();
+      for (auto& c : batch) unmap(c.base, c.len, c.fd);
+      lock.lock();
+    }
+  }
+
   void trim_to(size_t to) {
     std::vector<Cached> drop;
     {
@@ -282,6 +328,11 @@ class FileAllocator final : public alloc::Allocator {
   size_t cache_limit_;
   std::atomic<size_t> live_{0};
   std::atomic<size_t> peak_{0};
+  std::mutex reap_lock_;
+  std::condition_variable reap_ready_;
+  std::vector<Cached> reaping_;
+  bool reaper_started_ = false;
+  bool reaper_running_ = false;
 };
 
 FileAllocator* g_files = nullptr;

@@ -88,12 +88,17 @@ class FileAllocator final : public alloc::Allocator {
         return noted(base_.malloc(size));
       }
     }
-    if (base == nullptr) base = fresh(need);
     if (base == nullptr) {
-      // No file (descriptors, memory): MLX's allocator may still have room.
-      return noted(base_.malloc(size));
+      base = fresh(need);
+      if (base == nullptr) {
+        // No file (descriptors, memory): MLX's allocator may still have room.
+        return noted(base_.malloc(size));
+      }
+      *static_cast<size_t*>(base) = size;
     }
-    *static_cast<size_t*>(base) = size;
+    // Counted as MLX counts its own buffers: the size in the header (a
+    // reused buffer keeps its own, at least `size`), not the whole pages.
+    live_.fetch_add(*static_cast<size_t*>(base), std::memory_order_acq_rel);
     return noted(alloc::Buffer{base});
   }
 
@@ -108,10 +113,11 @@ class FileAllocator final : public alloc::Allocator {
         ours = true;
         file = it->second;
         files_.erase(it);
-        live_.fetch_sub(file.len, std::memory_order_acq_rel);
-        if (!file.exported && cached_bytes_ + file.len <= cache_limit_) {
-          cached_.emplace(file.len, Cached{base, file.fd, file.len});
-          cached_bytes_ += file.len;
+        size_t counted = *static_cast<const size_t*>(base);
+        live_.fetch_sub(counted, std::memory_order_acq_rel);
+        if (!file.exported && cached_bytes_ + counted <= cache_limit_) {
+          cached_.emplace(file.len, Cached{base, file.fd, file.len, counted});
+          cached_bytes_ += counted;
           return;
         }
       }
@@ -214,6 +220,7 @@ class FileAllocator final : public alloc::Allocator {
     void* base;
     int fd;
     size_t len = 0;
+    size_t size = 0;  // the header's size: what it counts as
   };
 
   static size_t round_up(size_t n) { return (n + page_size() - 1) / page_size() * page_size(); }
@@ -233,12 +240,10 @@ class FileAllocator final : public alloc::Allocator {
   void* reuse(size_t need) {
     auto it = cached_.lower_bound(need);
     if (it == cached_.end() || it->first > std::max(need + 2 * page_size(), 2 * need)) return nullptr;
-    size_t len = it->first;
     Cached c = it->second;
     cached_.erase(it);
-    cached_bytes_ -= len;
-    files_.emplace(c.base, File{c.fd, len, false, false});
-    live_.fetch_add(len, std::memory_order_acq_rel);
+    cached_bytes_ -= c.size;
+    files_.emplace(c.base, File{c.fd, c.len, false, false});
     return c.base;
   }
 
@@ -256,7 +261,6 @@ class FileAllocator final : public alloc::Allocator {
     }
     std::lock_guard<std::mutex> lock(mutex_);
     files_.emplace(base, File{fd, len, false, false});
-    live_.fetch_add(len, std::memory_order_acq_rel);
     return base;
   }
 
@@ -314,7 +318,7 @@ class FileAllocator final : public alloc::Allocator {
     while (cached_bytes_ > to && !cached_.empty()) {
       auto it = cached_.begin();
       Cached c = it->second;
-      cached_bytes_ -= it->first;
+      cached_bytes_ -= c.size;
       cached_.erase(it);
       drop.push_back(c);
     }

@@ -101,16 +101,8 @@ int moat_reset_peak_memory(void);
 int moat_set_memory_limit(size_t limit, size_t* previous);
 int moat_set_cache_limit(size_t limit, size_t* previous);
 int moat_clear_cache(void);
-// Large CPU buffers in memory files (alloc.cpp): bytes in live ones and in
-// freed ones kept for reuse (counted by the memory functions above), and
-// files open for them.
-size_t moat_buffer_files_live(void);
-size_t moat_buffer_files_cached(void);
-size_t moat_buffer_files_peak(void);
+// Memory files open for large CPU buffers (alloc.cpp), live and cached.
 size_t moat_buffer_files_open(void);
-void moat_buffer_files_reset_peak(void);
-void moat_buffer_files_cache_limit(size_t limit);
-void moat_buffer_files_clear_cache(void);
 // The memory file holding an evaluated, row-contiguous array's bytes, made
 // read-only and sealed for good (alloc.cpp); out->fd is -1 when its bytes
 // are in no such file.

@@ -48,6 +48,8 @@ defmodule Moat.ZeroCopyReadbackTest do
       t = upload(data, type, w)
       # A result of MLX's: a buffer of its own, in a memory file.
       both = Nx.concatenate([t, t])
+      :ok = Moat.eval(ref(both))
+      assert File.read!("/proc/#{os_pid(w)}/maps") =~ ~r/rw-s .*memfd:moat-buffer/
       before = buffer_maps()
       assert {:shared_memory, got} = read_back(ref(both))
       assert got == data <> data, inspect(type)

@@ -1,6 +1,7 @@
 # Ops on large tensors with MLX's large CPU buffers in memory files (the
 # default, port/shim/alloc.cpp) and without (MOAT_BUFFER_FILES=0, MLX's own
-# allocator), rep by rep in one run, beside another worker build named by
+# allocator), and with buffer files but no cache (`Moat.set_cache_limit(0)`),
+# rep by rep in one run, beside another worker build named by
 # MOAT_WORKER_B (docs/latency.md, "Zero-copy readbacks"):
 #
 #   MOAT_WORKER_B=/path/to/main/moat_port mix run -r bench/support.exs bench/zero_copy_ops.exs
@@ -11,8 +12,16 @@ System.put_env("MOAT_BUFFER_FILES", "0")
 {:ok, _} = Moat.Worker.start_link(name: :ops_no_files)
 System.delete_env("MOAT_BUFFER_FILES")
 
+# Buffer files with no cache of freed ones (nor of MLX's).
+{:ok, _} = Moat.Worker.start_link(name: :ops_no_cache)
+Moat.set_cache_limit(0, :ops_no_cache)
+
 workers =
-  [{"buffer files (default)", Moat.Worker}, {"`MOAT_BUFFER_FILES=0`", :ops_no_files}] ++
+  [
+    {"buffer files (default)", Moat.Worker},
+    {"buffer files, cache limit 0", :ops_no_cache},
+    {"`MOAT_BUFFER_FILES=0`", :ops_no_files}
+  ] ++
     case System.get_env("MOAT_WORKER_B") do
       nil ->
         []
@@ -27,7 +36,8 @@ data = :binary.copy(<<1.0::float-32-native>>, div(bytes, 4))
 
 cases = [
   # 8 ops, each a fresh 64 MiB output (the inputs' buffers free as it goes).
-  {"chain of 4 × (add, exp) on f32[16M], eval", fn w ->
+  {"chain of 4 × (add, exp) on f32[16M], eval",
+   fn w ->
      x = Nx.from_binary(data, :f32, backend: {Moat.Backend, worker: w})
      :ok = Moat.eval(x.data.ref)
 
@@ -36,12 +46,14 @@ cases = [
        :ok = Moat.eval(y.data.ref)
      end)
    end},
-  {"one add on f32[16M], eval", fn w ->
+  {"one add on f32[16M], eval",
+   fn w ->
      x = Nx.from_binary(data, :f32, backend: {Moat.Backend, worker: w})
      :ok = Moat.eval(x.data.ref)
      time_us(fn -> :ok = Moat.eval(Nx.add(x, 1.0).data.ref) end)
    end},
-  {"upload 64 MiB (+ eval)", fn w ->
+  {"upload 64 MiB (+ eval)",
+   fn w ->
      time_us(fn -> :ok = Moat.eval(Moat.from_binary(data, {bytes}, {:u, 8}, worker: w)) end)
    end}
 ]

@@ -119,7 +119,8 @@ defmodule Moat.Transfer do
 
         case read do
           {:ok, data} ->
-            {:ok, meta |> Map.drop([:address, :path, :inode, :file_bytes, :offset]) |> Map.put(:transfer, :shared_memory),
+            {:ok,
+             meta |> Map.drop([:address, :path, :inode, :file_bytes, :offset]) |> Map.put(:transfer, :shared_memory),
              data}
 
           {:error, why} when is_map_key(meta, :offset) ->

@@ -25,8 +25,6 @@
 #include <dlfcn.h>
 #include <fcntl.h>
 #include <sys/mman.h>
-#include <sys/resource.h>
-#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -270,7 +268,7 @@ class FileAllocator final : public alloc::Allocator {
   }
 
   // Hands an exported buffer to the reaper thread, which unmaps it and
-  // closes its file at the lowest priority; inline where no thread starts.
+  // closes its file; inline where no thread starts.
   void reap(Cached c) {
     {
       std::lock_guard<std::mutex> lock(reap_lock_);
@@ -292,7 +290,9 @@ class FileAllocator final : public alloc::Allocator {
   }
 
   void reaper() {
-    setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), 19);
+    // At the normal priority: a reaper at the lowest one, preempted while
+    // it unmaps (holding the process's mmap lock), held the session thread
+    // up for milliseconds (docs/latency.md, "Zero-copy readbacks").
     std::unique_lock<std::mutex> lock(reap_lock_);
     for (;;) {
       reap_ready_.wait(lock, [this] { return !reaping_.empty(); });

@@ -486,6 +486,10 @@ fn exported(id: Id, data: &Evaluated) -> Option<Pairs> {
     let seal = !crate::fault::leave_unsealed();
     #[cfg(not(feature = "fault-injection"))]
     let seal = true;
+    // A GPU worker's buffers are its allocator's (CUDA managed memory).
+    if crate::mlx::on_gpu() {
+        return None;
+    }
     // `:wild_pin` is a fault of the address a pin answers with.
     #[cfg(feature = "fault-injection")]
     if crate::fault::wild_pin() {

@@ -63,7 +63,9 @@ defmodule Moat.ZeroCopyReadbackTest do
       n = div(byte_size(data), item)
       tail = Nx.pad(both, 0, [{-(n + 3), 0, 0}])
       expected_tail = binary_part(got, (n + 3) * item, (n - 3) * item)
-      assert {:shared_memory, ^expected_tail} = read_back(ref(tail)) |> tap(&Process.put(:held, [&1 | Process.get(:held)]))
+
+      assert {:shared_memory, ^expected_tail} =
+               read_back(ref(tail)) |> tap(&Process.put(:held, [&1 | Process.get(:held)]))
     end
 
     # The reply, at the protocol's level: the file, its size, the offset.
@@ -182,6 +184,7 @@ defmodule Moat.ZeroCopyReadbackTest do
     # An add whose input is gone by the time it is evaluated: MLX would give
     # the input's buffer to the output.
     data = bytes(4 * @mib)
+
     {sum, held, snapshot, name} =
       (fn ->
          t = Nx.concatenate([upload(data, {:u, 8}, w), upload(data, {:u, 8}, w)])

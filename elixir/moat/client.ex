@@ -632,9 +632,12 @@ defmodule Moat.Client do
     sent(conn)
   rescue
     e in ArgumentError ->
-      # Only a closed port is the worker's doing.
-      if not is_port(conn.port) or Port.info(conn.port), do: reraise(e, __STACKTRACE__)
-      raise Error.new(:worker_unavailable, op, cause(conn))
+      cond do
+        not is_port(conn.port) -> reraise(e, __STACKTRACE__)
+        # An open port refuses only what is not iodata.
+        Port.info(conn.port) -> not_iodata!(op, __STACKTRACE__)
+        true -> raise Error.new(:worker_unavailable, op, cause(conn))
+      end
   end
 
   # A local worker's port, or a remote worker's session (Moat.Remote).

@@ -41,19 +41,22 @@ pub enum Term {
     Map(Vec<(Term, Term)>),
 }
 
+/// Why a packet could not be read: its framing (lengths, batches) or its
+/// header term. The message names which; only the term decoder's say
+/// "bad header term".
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DecodeError(pub String);
 
 impl fmt::Display for DecodeError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "bad header term: {}", self.0)
+        f.write_str(&self.0)
     }
 }
 
 impl std::error::Error for DecodeError {}
 
 fn err<T>(msg: impl Into<String>) -> Result<T, DecodeError> {
-    Err(DecodeError(msg.into()))
+    Err(DecodeError(format!("bad header term: {}", msg.into())))
 }
 
 impl Term {

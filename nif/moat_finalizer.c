@@ -111,9 +111,43 @@ static void wake(ErlNifEnv* caller_env, queue* q) {
   enif_free_env(msg_env);
 }
 
+/* Terms kept on tokens (keep/2): a large readback's mapped binary, which
+ * the tensor's next readback returns instead of mapping its file again (its
+ * pages are mapped in this VM already). Outside the token struct, so that
+ * tokens made by an older load of this library (before an upgrade) stay
+ * readable. Few (one per live tensor read back as a mapping): a list. */
+typedef struct kept {
+  const token* owner;
+  ErlNifEnv* env;
+  ERL_NIF_TERM term;
+  struct kept* next;
+} kept;
+
+static ErlNifMutex* kept_lock;
+static kept* kepts;
+
+/* Drops what `t` keeps, if anything. */
+static void forget_kept(const token* t) {
+  kept* gone = NULL;
+  enif_mutex_lock(kept_lock);
+  for (kept** at = &kepts; *at != NULL; at = &(*at)->next) {
+    if ((*at)->owner == t) {
+      gone = *at;
+      *at = gone->next;
+      break;
+    }
+  }
+  enif_mutex_unlock(kept_lock);
+  if (gone != NULL) {
+    enif_free_env(gone->env);
+    enif_free(gone);
+  }
+}
+
 static void token_dtor(ErlNifEnv* caller_env, void* obj) {
   token* t = (token*)obj;
   queue* q = t->to;
+  forget_kept(t);
   if (!take(t)) return;
   enif_mutex_lock(q->lock);
   if (q->len == q->cap) {
@@ -178,7 +212,60 @@ static ERL_NIF_TERM token_release(ErlNifEnv* env, int argc, const ERL_NIF_TERM a
   token* t;
   (void)argc;
   if (!enif_get_resource(env, argv[0], TOKEN, (void**)&t)) return enif_make_badarg(env);
-  return take(t) ? atom_true : atom_false;
+  int first = take(t);
+  forget_kept(t);
+  return first ? atom_true : atom_false;
+}
+
+/* keep(Token, Term) -> true, or false when the token keeps a term already
+ * or was released. Term is copied (a binary in it is shared, not copied)
+ * and kept until the token is released or collected. */
+static ERL_NIF_TERM token_keep(ErlNifEnv* env, int argc, const ERL_NIF_TERM argv[]) {
+  token* t;
+  (void)argc;
+  if (!enif_get_resource(env, argv[0], TOKEN, (void**)&t)) return enif_make_badarg(env);
+  kept* k = enif_alloc(sizeof(kept));
+  ErlNifEnv* held = k ? enif_alloc_env() : NULL;
+  if (held == NULL) {
+    if (k) enif_free(k);
+    return atom_false;
+  }
+  k->owner = t;
+  k->env = held;
+  k->term = enif_make_copy(held, argv[1]);
+  int taken = 0;
+  enif_mutex_lock(kept_lock);
+  /* Checked under the lock: a release after this sees the entry and drops it. */
+  if (__atomic_load_n(&t->released, __ATOMIC_ACQUIRE)) taken = 1;
+  for (kept* at = kepts; at != NULL && !taken; at = at->next) taken = at->owner == t;
+  if (!taken) {
+    k->next = kepts;
+    kepts = k;
+  }
+  enif_mutex_unlock(kept_lock);
+  if (taken) {
+    enif_free_env(held);
+    enif_free(k);
+    return atom_false;
+  }
+  return atom_true;
+}
+
+/* kept(Token) -> the term keep/2 kept on it, or nil. */
+static ERL_NIF_TERM token_kept(ErlNifEnv* env, int argc, const ERL_NIF_TERM argv[]) {
+  token* t;
+  (void)argc;
+  if (!enif_get_resource(env, argv[0], TOKEN, (void**)&t)) return enif_make_badarg(env);
+  ERL_NIF_TERM found = enif_make_atom(env, "nil");
+  enif_mutex_lock(kept_lock);
+  for (kept* at = kepts; at != NULL; at = at->next) {
+    if (at->owner == t) {
+      found = enif_make_copy(env, at->term);
+      break;
+    }
+  }
+  enif_mutex_unlock(kept_lock);
+  return found;
 }
 
 /* released(Token) -> whether release/1 or the destructor has run. */
@@ -226,21 +313,19 @@ static ERL_NIF_TERM errno_error(ErlNifEnv* env, int e) {
  * never changes) or remove a seal. */
 #define REQUIRED_SEALS (F_SEAL_SHRINK | F_SEAL_WRITE | F_SEAL_SEAL)
 
-/* map_sealed(Path, Inode, Bytes) -> {ok, Binary} | {error, Why}.
- *
- * Opens Path (the worker's /proc/<pid>/fd/<n>) read-only, checks that it is
- * the file the worker announced (Inode, so that a dead worker's pid taken
- * by another process is never read), that it holds Bytes bytes and carries
- * REQUIRED_SEALS, and maps it. The binary stays valid whatever becomes of
- * the worker: the mapping holds the file's pages. */
-static ERL_NIF_TERM map_sealed(ErlNifEnv* env, int argc, const ERL_NIF_TERM argv[]) {
+/* Maps the sealed file Path (the worker's /proc/<pid>/fd/<n>) read-only:
+ * opens it, checks that it is the file the worker announced (Inode, so that
+ * a dead worker's pid taken by another process is never read), that it
+ * holds FileBytes bytes and carries REQUIRED_SEALS, maps all of it, and
+ * returns the binary over its Bytes bytes from Offset. The binary stays
+ * valid whatever becomes of the worker: the mapping holds the file's pages. */
+static ERL_NIF_TERM map_file(ErlNifEnv* env, ERL_NIF_TERM path_term, ErlNifUInt64 inode, ErlNifUInt64 file_bytes,
+                             ErlNifUInt64 offset, ErlNifUInt64 bytes) {
   ErlNifBinary path;
-  ErlNifUInt64 inode, bytes;
   char name[256];
-  (void)argc;
-  if (!enif_inspect_binary(env, argv[0], &path) || !enif_get_uint64(env, argv[1], &inode) ||
-      !enif_get_uint64(env, argv[2], &bytes) || path.size == 0 || path.size >= sizeof(name) ||
-      memchr(path.data, 0, path.size) != NULL || bytes == 0) {
+  if (!enif_inspect_binary(env, path_term, &path) || path.size == 0 || path.size >= sizeof(name) ||
+      memchr(path.data, 0, path.size) != NULL || bytes == 0 ||
+      offset > file_bytes || bytes > file_bytes - offset) {
     return enif_make_badarg(env);
   }
   memcpy(name, path.data, path.size);
@@ -254,7 +339,7 @@ static ERL_NIF_TERM map_sealed(ErlNifEnv* env, int argc, const ERL_NIF_TERM argv
     refused = errno_error(env, errno);
   } else if ((ErlNifUInt64)st.st_ino != inode) {
     refused = error(env, "not_the_workers_file");
-  } else if (st.st_size < 0 || (ErlNifUInt64)st.st_size != bytes) {
+  } else if (st.st_size < 0 || (ErlNifUInt64)st.st_size != file_bytes) {
     refused = error(env, "wrong_size");
   } else {
     int seals = fcntl(fd, F_GET_SEALS);
@@ -264,7 +349,7 @@ static ERL_NIF_TERM map_sealed(ErlNifEnv* env, int argc, const ERL_NIF_TERM argv
     close(fd);
     return refused;
   }
-  void* data = mmap(NULL, (size_t)bytes, PROT_READ, MAP_SHARED, fd, 0);
+  void* data = mmap(NULL, (size_t)file_bytes, PROT_READ, MAP_SHARED, fd, 0);
   int map_errno = errno;
   /* The mapping keeps the file alive; the descriptor is not needed. */
   close(fd);
@@ -272,14 +357,36 @@ static ERL_NIF_TERM map_sealed(ErlNifEnv* env, int argc, const ERL_NIF_TERM argv
 
   mapping* m = enif_alloc_resource(MAPPING, sizeof(mapping));
   if (m == NULL) {
-    munmap(data, (size_t)bytes);
+    munmap(data, (size_t)file_bytes);
     return error(env, "enomem");
   }
   m->data = data;
-  m->len = (size_t)bytes;
-  ERL_NIF_TERM bin = enif_make_resource_binary(env, m, data, (size_t)bytes);
+  m->len = (size_t)file_bytes;
+  ERL_NIF_TERM bin = enif_make_resource_binary(env, m, (char*)data + offset, (size_t)bytes);
   enif_release_resource(m);
   return enif_make_tuple2(env, enif_make_atom(env, "ok"), bin);
+}
+
+/* map_sealed(Path, Inode, Bytes) -> {ok, Binary} | {error, Why}: a sealed
+ * readback file of exactly Bytes bytes, all of it (map_file). */
+static ERL_NIF_TERM map_sealed(ErlNifEnv* env, int argc, const ERL_NIF_TERM argv[]) {
+  ErlNifUInt64 inode, bytes;
+  (void)argc;
+  if (!enif_get_uint64(env, argv[1], &inode) || !enif_get_uint64(env, argv[2], &bytes)) return enif_make_badarg(env);
+  return map_file(env, argv[0], inode, bytes, 0, bytes);
+}
+
+/* map_sealed(Path, Inode, FileBytes, Offset, Bytes) -> {ok, Binary} |
+ * {error, Why}: Bytes bytes at Offset of a sealed file of FileBytes bytes
+ * (a worker's exported buffer, protocol.md §6 "Zero-copy readback"). */
+static ERL_NIF_TERM map_sealed_range(ErlNifEnv* env, int argc, const ERL_NIF_TERM argv[]) {
+  ErlNifUInt64 inode, file_bytes, offset, bytes;
+  (void)argc;
+  if (!enif_get_uint64(env, argv[1], &inode) || !enif_get_uint64(env, argv[2], &file_bytes) ||
+      !enif_get_uint64(env, argv[3], &offset) || !enif_get_uint64(env, argv[4], &bytes)) {
+    return enif_make_badarg(env);
+  }
+  return map_file(env, argv[0], inode, file_bytes, offset, bytes);
 }
 
 /* Readback buffers: anonymous memory of this VM, in whole 2 MiB pages
@@ -855,7 +962,8 @@ static int load(ErlNifEnv* env, void** priv, ERL_NIF_TERM info) {
   (void)info;
   queues_lock = enif_mutex_create("moat_release_queues");
   pool_lock = enif_mutex_create("moat_readback_pool");
-  if (queues_lock == NULL || pool_lock == NULL) return 1;
+  kept_lock = enif_mutex_create("moat_kept");
+  if (queues_lock == NULL || pool_lock == NULL || kept_lock == NULL) return 1;
   return open_token_type(env, ERL_NIF_RT_CREATE);
 }
 
@@ -866,7 +974,8 @@ static int upgrade(ErlNifEnv* env, void** priv, void** old_priv, ERL_NIF_TERM in
   (void)info;
   if (queues_lock == NULL) queues_lock = enif_mutex_create("moat_release_queues");
   if (pool_lock == NULL) pool_lock = enif_mutex_create("moat_readback_pool");
-  if (queues_lock == NULL || pool_lock == NULL) return 1;
+  if (kept_lock == NULL) kept_lock = enif_mutex_create("moat_kept");
+  if (queues_lock == NULL || pool_lock == NULL || kept_lock == NULL) return 1;
   return open_token_type(env, ERL_NIF_RT_CREATE | ERL_NIF_RT_TAKEOVER);
 }
 
@@ -874,9 +983,12 @@ static ErlNifFunc funcs[] = {
     {"new", 2, token_new, 0},
     {"release", 1, token_release, 0},
     {"released?", 1, token_released, 0},
+    {"keep", 2, token_keep, 0},
+    {"kept", 1, token_kept, 0},
     {"loaded?", 0, loaded, 0},
     {"drain", 1, token_drain, 0},
     {"map_sealed", 3, map_sealed, 0},
+    {"map_sealed", 5, map_sealed_range, 0},
     {"read_memory", 5, read_memory, ERL_NIF_DIRTY_JOB_CPU_BOUND},
     {"trim_pool", 0, trim_pool, 0},
     {"wait_readable", 2, wait_readable, 0},

@@ -92,8 +92,15 @@ fn main() {
         println!("cargo:rustc-link-arg=-Wl,--undefined={symbol}");
         println!("cargo:rustc-link-arg=-Wl,--export-dynamic-symbol={symbol}");
     }
+    // shim/alloc.cpp's `mlx::core::allocator::allocator()`, which libmlx
+    // calls through its PLT: exported, it is the one libmlx binds to.
+    println!("cargo:rustc-link-arg=-Wl,--undefined={ALLOCATOR_SYMBOL}");
+    println!("cargo:rustc-link-arg=-Wl,--export-dynamic-symbol={ALLOCATOR_SYMBOL}");
     println!("cargo:rustc-link-arg=-Wl,-rpath,$ORIGIN/lib:$ORIGIN/../lib");
 }
+
+/// `mlx::core::allocator::allocator()`, mangled.
+const ALLOCATOR_SYMBOL: &str = "_ZN3mlx4core9allocator9allocatorEv";
 
 /// `mlx::core::scheduler::Scheduler::enqueue(Stream, std::function<void()>)`,
 /// `signal_event` and `wait_event(Stream, Event, std::function<void(Event&)>)`

@@ -92,6 +92,19 @@ defmodule Moat.Finalizer do
     do: {:error, :persistent_term.get({__MODULE__, :no_nif}, :no_nif)}
 
   @doc """
+  As `map_sealed/3`, for `bytes` bytes at `offset` of a sealed file of
+  `file_bytes` bytes (a worker's exported buffer, protocol.md §6,
+  "Zero-copy readback"): the whole file is mapped, and the binary is the
+  range. The same refusals, checked against `file_bytes`.
+  """
+  @spec map_sealed(binary(), non_neg_integer(), pos_integer(), non_neg_integer(), pos_integer()) ::
+          {:ok, binary()} | {:error, atom()}
+  def map_sealed(path, inode, file_bytes, offset, bytes)
+      when is_binary(path) and is_integer(inode) and is_integer(file_bytes) and is_integer(offset) and
+             is_integer(bytes),
+      do: :persistent_term.get({__MODULE__, :no_nif_map}, {:error, :no_nif})
+
+  @doc """
   Copies `bytes` bytes at `address` of process `os_pid` (a worker, which
   holds them pinned) into memory of this VM and returns them as a binary:
   `{:ok, binary}`, or `{:error, why}` when the 16 bytes at
@@ -121,6 +134,19 @@ defmodule Moat.Finalizer do
   """
   @spec wait_readable(non_neg_integer(), 0..200) :: boolean()
   def wait_readable(_fd, _max_us), do: false
+
+  @doc """
+  Keeps `term` on the token until it is released or collected (a copy; a
+  binary in it is shared, not copied): `true`, or `false` where it keeps a
+  term already, was released, or there is no NIF. Moat.Transfer keeps a
+  tensor's mapped readback there (protocol.md §6, "Zero-copy readback").
+  """
+  @spec keep(term(), term()) :: boolean()
+  def keep(_token, _term), do: :persistent_term.get({__MODULE__, :no_nif_keep}, false)
+
+  @doc "The term `keep/2` kept on the token, or nil."
+  @spec kept(term()) :: term()
+  def kept(_token), do: :persistent_term.get({__MODULE__, :no_nif_keep}, nil)
 
   @doc "Whether the token was released (explicitly, or by its destructor)."
   @spec released?(reference()) :: boolean()

@@ -110,13 +110,25 @@ defmodule Moat.Shared do
   @doc "The attrs of a pinned `:to_binary` (protocol.md §6, \"Shared memory\")."
   @spec pin_attrs(t()) :: map()
   def pin_attrs(%{threshold: threshold, via: :sealed}), do: %{pin: threshold, sealed: true}
+  def pin_attrs(%{threshold: threshold, via: :process_vm}), do: %{pin: threshold, export: true}
   def pin_attrs(%{threshold: threshold}), do: %{pin: threshold}
+
+  @doc """
+  The attrs of a pinned `:to_binary` that takes no exported buffer: after a
+  refused mapping of one, the next try reads the pin's address (or a sealed
+  copy).
+  """
+  @spec plain_pin_attrs(t()) :: map()
+  def plain_pin_attrs(shared), do: shared |> pin_attrs() |> Map.delete(:export)
 
   @doc """
   The bytes of a pinned readback whose reply is `meta`: its sealed file
   mapped (`path`), or read at its `address`.
   """
   @spec read_pinned(t(), map()) :: {:ok, binary()} | {:error, term()}
+  def read_pinned(_shared, %{path: path, inode: inode, file_bytes: file_bytes, offset: offset, bytes: bytes}),
+    do: Finalizer.map_sealed(path, inode, file_bytes, offset, bytes)
+
   def read_pinned(_shared, %{path: path, inode: inode, bytes: bytes}), do: Finalizer.map_sealed(path, inode, bytes)
 
   def read_pinned(%{via: :process_vm} = shared, %{address: address, bytes: bytes}),

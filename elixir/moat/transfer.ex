@@ -104,20 +104,31 @@ defmodule Moat.Transfer do
 
   def read(conn, id, _handle, _max_bytes), do: Client.call(conn, :to_binary, [id], nil)
 
-  defp read_shared(%Client{releaser: releaser} = conn, shared, id, handle) do
+  defp read_shared(conn, shared, id, handle, attrs \\ nil) do
+    %Client{releaser: releaser} = conn
+    attrs = attrs || Shared.pin_attrs(shared)
     pin = Client.new_id()
     # The pin goes like a tensor: released below, or by this process's
     # garbage should it die before.
     token = Finalizer.new(releaser, pin)
 
-    case Client.request(conn, :to_binary, [pin], [id], Shared.pin_attrs(shared), :infinity) do
+    case Client.request(conn, :to_binary, [pin], [id], attrs, :infinity) do
       {:ok, meta, _} when is_map_key(meta, :address) or is_map_key(meta, :path) ->
-        read = Shared.read_pinned(shared, meta)
+        read = read_pinned(shared, meta, handle)
         if Finalizer.release(token), do: send(releaser, {:moat_release, pin})
 
         case read do
           {:ok, data} ->
-            {:ok, meta |> Map.drop([:address, :path, :inode]) |> Map.put(:transfer, :shared_memory), data}
+            {:ok,
+             meta |> Map.drop([:address, :path, :inode, :file_bytes, :offset]) |> Map.put(:transfer, :shared_memory),
+             data}
+
+          {:error, why} when is_map_key(meta, :offset) ->
+            # A refused mapping of the tensor's own buffer: read it again
+            # as before it could be exported (its address, or the pipe).
+            Logger.warning("Moat: cannot map the worker's buffer (#{inspect(why)}); reading it another way")
+            Client.pin(handle)
+            read_shared(conn, shared, id, handle, Shared.plain_pin_attrs(shared))
 
           {:error, why} ->
             Logger.warning("Moat: cannot read the worker's memory (#{inspect(why)}); using the pipe")
@@ -131,4 +142,32 @@ defmodule Moat.Transfer do
         reply
     end
   end
+
+  # A tensor's own buffer, exported (protocol.md §6, "Zero-copy readback"):
+  # the mapping kept on the tensor's token by its last readback, if it is of
+  # this file and range (its pages are mapped in this VM already, so reading
+  # it costs no page faults), else the file mapped now, and kept. The worker
+  # answered first, so every check of the id (poisoned, released) came
+  # before. Only such mappings are kept: the pages are the worker's buffer,
+  # alive anyway while the tensor is.
+  defp read_pinned(shared, %{offset: offset, inode: inode, file_bytes: file_bytes, bytes: bytes} = meta, handle) do
+    token = token(handle)
+    key = {inode, file_bytes, offset, bytes}
+
+    case token && Finalizer.kept(token) do
+      {^key, data} ->
+        {:ok, data}
+
+      _ ->
+        with {:ok, data} <- Shared.read_pinned(shared, meta) do
+          if token, do: Finalizer.keep(token, {key, data})
+          {:ok, data}
+        end
+    end
+  end
+
+  defp read_pinned(shared, meta, _handle), do: Shared.read_pinned(shared, meta)
+
+  defp token(%Moat.Ref{token: token}) when is_reference(token), do: token
+  defp token(_handle), do: nil
 end

@@ -1,5 +1,6 @@
 // Memory statistics and limits, and the graph queries the worker's own limit
 // check needs (MLX's CPU allocator does not enforce the memory limit).
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 
@@ -37,16 +38,21 @@ const bool malloc_tuned = [] {
 
 extern "C" {
 
-size_t moat_active_memory(void) { return mx::get_active_memory(); }
+// MLX's counters see only its own allocator's buffers; those in memory
+// files (alloc.cpp) are added.
+size_t moat_active_memory(void) { return mx::get_active_memory() + moat_buffer_files_live(); }
 
-size_t moat_peak_memory(void) { return mx::get_peak_memory(); }
+size_t moat_peak_memory(void) { return std::max(mx::get_peak_memory(), moat_buffer_files_peak()); }
 
-size_t moat_cache_memory(void) { return mx::get_cache_memory(); }
+size_t moat_cache_memory(void) { return mx::get_cache_memory() + moat_buffer_files_cached(); }
 
 size_t moat_memory_limit(void) { return mx::get_memory_limit(); }
 
 int moat_reset_peak_memory(void) {
-  return guard([&] { mx::reset_peak_memory(); });
+  return guard([&] {
+    mx::reset_peak_memory();
+    moat_buffer_files_reset_peak();
+  });
 }
 
 int moat_set_memory_limit(size_t limit, size_t* previous) {
@@ -54,12 +60,16 @@ int moat_set_memory_limit(size_t limit, size_t* previous) {
 }
 
 int moat_set_cache_limit(size_t limit, size_t* previous) {
-  return guard([&] { *previous = mx::set_cache_limit(limit); });
+  return guard([&] {
+    *previous = mx::set_cache_limit(limit);
+    moat_buffer_files_cache_limit(limit);
+  });
 }
 
 int moat_clear_cache(void) {
   return guard([&] {
     mx::clear_cache();
+    moat_buffer_files_clear_cache();
 #if defined(__GLIBC__)
     malloc_trim(0);
 #endif

@@ -101,6 +101,23 @@ int moat_reset_peak_memory(void);
 int moat_set_memory_limit(size_t limit, size_t* previous);
 int moat_set_cache_limit(size_t limit, size_t* previous);
 int moat_clear_cache(void);
+// Memory files open for large CPU buffers (alloc.cpp), live and cached.
+size_t moat_buffer_files_open(void);
+// The memory file holding an evaluated, row-contiguous array's bytes, made
+// read-only and sealed for good (alloc.cpp); out->fd is -1 when its bytes
+// are in no such file.
+typedef struct {
+  int fd;
+  size_t file_bytes;
+  size_t offset;
+} moat_export;
+// `seal` 0 leaves it unsealed (the fault-injection build's `:unsealed`).
+int moat_array_export(const moat_array* a, int seal, moat_export* out);
+// Holds an evaluated array's buffer as an exported one (MLX never donates it)
+// until nothing else holds it: for buffers exported outside alloc.cpp.
+int moat_array_hold(const moat_array* a);
+// Lets go of exported buffers nothing else holds; returns how many are held.
+size_t moat_exports_sweep(void);
 // The lazy graph behind an array: its status, identity, op, inputs and
 // siblings (handles written to *out are new and owned by the caller).
 int moat_array_unscheduled(const moat_array* a);

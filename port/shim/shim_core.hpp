@@ -9,6 +9,18 @@
 #include "mlx/mlx.h"
 #include "moat_shim.h"
 
+// Large CPU buffers in memory files (alloc.cpp), for memory.cpp's counters
+// and limits: bytes in live ones and in freed ones kept for reuse, the
+// combined peak (MLX's buffers and these), and the cache's limit.
+extern "C" {
+size_t moat_buffer_files_live(void);
+size_t moat_buffer_files_cached(void);
+size_t moat_buffer_files_peak(void);
+void moat_buffer_files_reset_peak(void);
+void moat_buffer_files_cache_limit(size_t limit);
+void moat_buffer_files_clear_cache(void);
+}
+
 namespace moat {
 namespace mx = mlx::core;
 

@@ -248,6 +248,8 @@ impl Session {
                         budget::take_kept_where::<SealedCopy>(|copy| copy.id == *id);
                     }
                 }
+                // Frees the exported buffers these ids were the last to share.
+                crate::mlx::memory::sweep_exports();
                 self.reply(req.seq, Term::atom("nil"));
             }
             Ok(Command::Memory(call)) => self.memory_call(req.seq, &req.op, call),
@@ -361,17 +363,24 @@ impl Session {
             (Ok(_), _) if req.seq == 0 => {}
             (Ok(data), Some(pin)) if data.bytes().len() >= pin.min.max(1) => {
                 let mut info = metadata_pairs(data.array(), Some(data.bytes().len()));
-                let sealed = if pin.sealed {
+                let exported = if pin.export { exported(req.ins[0], &data) } else { None };
+                let sealed = if exported.is_none() && pin.sealed {
                     self.sealed_copy(req.ins[0], &data)
                 } else {
                     None
                 };
-                match sealed {
-                    Some((file, location)) => {
+                match (exported, sealed) {
+                    (Some(location), _) => {
+                        // The tensor's own buffer: the pin keeps it (and its
+                        // file's descriptor) until the client has opened it.
+                        info.extend(location);
+                        self.pins.insert(pin.id, Pinned::Memory { _data: data });
+                    }
+                    (None, Some((file, location))) => {
                         info.extend(location);
                         self.pins.insert(pin.id, Pinned::File { _file: file });
                     }
-                    None => {
+                    (None, None) => {
                         #[cfg(feature = "fault-injection")]
                         let address = if crate::fault::wild_pin() {
                             4096
@@ -431,6 +440,9 @@ impl Session {
     }
 
     fn eval(&mut self, req: &Call) {
+        // An evaluation lets go of the inputs of the nodes it computes:
+        // exported buffers only those held may be free now.
+        crate::mlx::memory::sweep_exports();
         let result = self
             .registry
             .inputs(&req.ins, &req.op)
@@ -462,6 +474,51 @@ impl Session {
             Err(failure) => self.fail(req.seq, &[], failure),
         }
     }
+}
+
+/// Tensor `id`'s bytes in the memory file of its own buffer, made immutable
+/// (`Evaluated::export`), as the reply's `path`, `inode`, `file_bytes` and
+/// `offset`; `None` where they are in no such file or a step fails (the
+/// client then gets a sealed copy or the pin's address).
+fn exported(id: Id, data: &Evaluated) -> Option<Pairs> {
+    crate::mlx::memory::sweep_exports();
+    #[cfg(feature = "fault-injection")]
+    let seal = !crate::fault::leave_unsealed();
+    #[cfg(not(feature = "fault-injection"))]
+    let seal = true;
+    // A GPU worker's buffers are its allocator's (CUDA managed memory).
+    if crate::mlx::on_gpu() {
+        return None;
+    }
+    // `:wild_pin` is a fault of the address a pin answers with.
+    #[cfg(feature = "fault-injection")]
+    if crate::fault::wild_pin() {
+        return None;
+    }
+    let warn = |message: String| log::warn!("readback of tensor {id} without its own buffer: {message}");
+    let found = match data.export(seal) {
+        Ok(Some(found)) => (found.fd, found.file_bytes, found.offset),
+        Ok(None) => {
+            // An upload's file, which MLX's allocator does not know: held
+            // first, so that MLX never writes into it (a sweep lets go of
+            // it if it is in no file).
+            data.hold().map_err(|e| warn(e.message)).ok()?;
+            crate::shared::export_upload(data.bytes(), seal).map_err(warn).ok()??
+        }
+        Err(e) => {
+            warn(e.message);
+            return None;
+        }
+    };
+    let (fd, file_bytes, offset) = found;
+    let inode = crate::sys::inode(fd).map_err(|e| warn(e.to_string())).ok()?;
+    let path = format!("/proc/{}/fd/{}", crate::sys::os_pid(), fd);
+    Some(vec![
+        ("file_bytes", Term::int(file_bytes as u64)),
+        ("inode", Term::int(inode)),
+        ("offset", Term::int(offset as u64)),
+        ("path", Term::Binary(path.into_bytes())),
+    ])
 }
 
 /// Evaluates `arrays` within the memory limit (see `budget::evaluate`).

@@ -34,7 +34,7 @@ use std::io::Read;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::MetadataExt;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
 /// Memory files kept open at most (by live tensors, sealed readback copies
 /// and the cache), far below the usual descriptor limit; past it, files are
@@ -105,10 +105,23 @@ impl Staged {
         let mapping = Mapping::of_file(&self.file.0, self.len, 64)
             .map_err(|e| Failure::system(OP, format!("cannot map the shared file of {} bytes: {e}", self.len)))?;
         let file = (KEPT.load(Ordering::Acquire) <= MAX_KEPT).then_some(self.file);
+        let data = mapping.data() as usize;
+        let exported = file.as_ref().map(|file| {
+            let exported = Arc::new(AtomicBool::new(false));
+            uploads().push(Upload {
+                data,
+                len: self.len,
+                fd: file.0.as_raw_fd(),
+                exported: exported.clone(),
+            });
+            exported
+        });
         let after = After {
             _held: self.held,
             file,
             len: self.len,
+            data,
+            exported,
         };
         Ok(Mapped {
             mapping,
@@ -144,19 +157,81 @@ impl Mapped {
 }
 
 /// What happens once MLX lets go of a mapped upload (after the unmapping):
-/// its bytes stop counting as live, and its file, if kept, is cached.
+/// its bytes stop counting as live, and its file, if kept and never
+/// exported, is cached.
 struct After {
     _held: Held,
     file: Option<Kept>,
     len: usize,
+    /// The mapping's address, by which `uploads()` knows it.
+    data: usize,
+    /// Whether a readback exported the file (`export_upload`): it is
+    /// closed then, never reused.
+    exported: Option<Arc<AtomicBool>>,
 }
 
 impl Drop for After {
     fn drop(&mut self) {
+        if self.exported.is_some() {
+            uploads().retain(|u| u.data != self.data);
+        }
+        let exported = self.exported.as_ref().is_some_and(|e| e.load(Ordering::Acquire));
         if let Some(file) = self.file.take() {
-            budget::keep(self.len, file);
+            if !exported {
+                budget::keep(self.len, file);
+            }
         }
     }
+}
+
+/// A mapped upload whose file is open: what `export_upload` can hand out.
+struct Upload {
+    data: usize,
+    len: usize,
+    fd: std::os::fd::RawFd,
+    exported: Arc<AtomicBool>,
+}
+
+fn uploads() -> std::sync::MutexGuard<'static, Vec<Upload>> {
+    static UPLOADS: OnceLock<std::sync::Mutex<Vec<Upload>>> = OnceLock::new();
+    // A panic ends the process (main.rs), so the lock is never poisoned in use.
+    UPLOADS
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+}
+
+/// The memory file of the upload that holds `bytes`, made immutable for
+/// good (mapped read-only in place and sealed against writes, shrinking and
+/// growing, unless `seal` is false: the fault-injection build's
+/// `:unsealed`), as (descriptor, file size, offset of `bytes` in it);
+/// `None` where no mapped upload holds them. The file is never reused once
+/// exported. The caller keeps the array alive while the client opens the
+/// file, and keeps MLX from writing into it (`Evaluated::hold`).
+pub fn export_upload(bytes: &[u8], seal: bool) -> Result<Option<(std::os::fd::RawFd, usize, usize)>, String> {
+    let at = bytes.as_ptr() as usize;
+    let uploads = uploads();
+    let Some(upload) = uploads
+        .iter()
+        .find(|u| at >= u.data && bytes.len() <= u.len && at - u.data <= u.len - bytes.len())
+    else {
+        return Ok(None);
+    };
+    // SAFETY: `upload.fd` is the open descriptor of the file kept by the
+    // upload's `After`, which lives (with the mapping) while the array the
+    // caller holds does; ManuallyDrop leaves it open.
+    let file = std::mem::ManuallyDrop::new(unsafe { <File as std::os::fd::FromRawFd>::from_raw_fd(upload.fd) });
+    if !upload.exported.swap(true, Ordering::AcqRel) {
+        // SAFETY: `upload.data` is the shared mapping of this file from
+        // offset 0, `upload.len` bytes, owned by the upload's `Mapping`; the
+        // tensor over it is evaluated, and MLX is kept from writing into it.
+        unsafe { sys::remap_read_only(&file, upload.data as *mut u8, upload.len) }
+            .map_err(|e| format!("cannot map an upload's file read-only: {e}"))?;
+    }
+    if seal && !sys::write_sealed(&file) {
+        sys::seal_contents(&file).map_err(|e| format!("cannot seal an upload's file: {e}"))?;
+    }
+    Ok(Some((upload.fd, upload.len, at - upload.data)))
 }
 
 /// A tensor's bytes in a memory file nobody can change any more (see the

@@ -46,11 +46,23 @@ pub fn memory_file(name: &CStr) -> io::Result<File> {
     Ok(unsafe { File::from_raw_fd(fd) })
 }
 
+/// The inode of an open descriptor.
+pub fn inode(fd: RawFd) -> io::Result<u64> {
+    // SAFETY: `st` is a valid out-pointer; fstat only reads `fd`.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    if unsafe { libc::fstat(fd, &mut st) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(st.st_ino)
+}
+
 /// Fixes a memory file's size for good: no one (the worker or another
 /// process holding it open) can shrink it, so a mapping of it never faults
-/// past its end (SIGBUS).
+/// past its end (SIGBUS). Further seals stay possible: a readback seals an
+/// upload's file against writes once the worker maps it read-only
+/// (`shared::export_upload`).
 pub fn seal_size(file: &File) -> io::Result<()> {
-    let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+    let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW;
     // SAFETY: F_ADD_SEALS takes an int; it fails on files that do not allow sealing.
     if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0 {
         return Err(io::Error::last_os_error());
@@ -68,6 +80,50 @@ pub fn seal_contents(file: &File) -> io::Result<()> {
         return Err(io::Error::last_os_error());
     }
     Ok(())
+}
+
+/// Replaces the shared mapping of `file` at `data` (`len` bytes, from the
+/// file's start) by a read-only one of the same pages at the same address,
+/// mapped through a read-only descriptor: a shared mapping of a descriptor
+/// open for writing counts as writable, and would refuse the write seal
+/// (EBUSY). Pointers into the mapping stay valid. If the kernel refuses
+/// after it may have unmapped the old pages, the process ends: nothing
+/// could read them safely any more.
+///
+/// # Safety
+///
+/// `data..data + len` must be exactly a shared mapping of `file` from offset
+/// 0 that this process owns, and nothing may write into it from now on.
+pub unsafe fn remap_read_only(file: &File, data: *mut u8, len: usize) -> io::Result<()> {
+    let path = format!("/proc/self/fd/{}", file.as_raw_fd());
+    let read_only = File::open(&path)?;
+    // SAFETY: the caller owns the mapping at `data`, which MAP_FIXED replaces
+    // with the same file's pages.
+    let mapped = unsafe {
+        libc::mmap(
+            data as *mut libc::c_void,
+            len,
+            libc::PROT_READ,
+            libc::MAP_SHARED | libc::MAP_FIXED,
+            read_only.as_raw_fd(),
+            0,
+        )
+    };
+    if mapped == libc::MAP_FAILED {
+        log::error!(
+            "cannot map a shared file read-only in place: {}",
+            io::Error::last_os_error()
+        );
+        std::process::abort();
+    }
+    Ok(())
+}
+
+/// Whether a memory file is sealed against writes already.
+pub fn write_sealed(file: &File) -> bool {
+    // SAFETY: F_GET_SEALS takes no argument.
+    let seals = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GET_SEALS) };
+    seals >= 0 && seals & libc::F_SEAL_WRITE != 0
 }
 
 /// Gives a memory file `len` bytes with their pages in place (allocated and

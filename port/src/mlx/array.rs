@@ -180,6 +180,47 @@ impl Evaluated {
     pub fn array(&self) -> &Array {
         &self.array
     }
+
+    /// The memory file that holds these bytes (a large buffer of MLX's CPU
+    /// allocator, port/shim/alloc.cpp), made read-only and, with `seal`,
+    /// sealed against writes, shrinking and growing, for good; `None` where
+    /// the bytes are in no such file (a small tensor, an upload, a GPU
+    /// worker). The worker holds the buffer from now on until nothing else
+    /// does (`memory::sweep_exports`), so MLX never writes into it again.
+    pub fn export(&self, seal: bool) -> Result<Option<Exported>> {
+        let mut out = ffi::moat_export {
+            fd: -1,
+            file_bytes: 0,
+            offset: 0,
+        };
+        // SAFETY: `self.array.raw` is live and evaluated; `out` is a valid
+        // out-pointer for the call.
+        check(unsafe { ffi::moat_array_export(self.array.raw, c_int::from(seal), &mut out) })?;
+        Ok((out.fd >= 0).then_some(Exported {
+            fd: out.fd,
+            file_bytes: out.file_bytes,
+            offset: out.offset,
+        }))
+    }
+}
+
+impl Evaluated {
+    /// Holds the buffer as an exported one (see `export`) until nothing
+    /// else holds it: for bytes exported from elsewhere (an upload's file).
+    pub fn hold(&self) -> Result<()> {
+        // SAFETY: `self.array.raw` is live and evaluated.
+        check(unsafe { ffi::moat_array_hold(self.array.raw) })
+    }
+}
+
+/// Where an exported tensor's bytes are (`Evaluated::export`): the file's
+/// descriptor in this process (open while the buffer lives), the file's
+/// size, and the bytes' offset in it.
+#[derive(Debug, Clone, Copy)]
+pub struct Exported {
+    pub fd: std::os::fd::RawFd,
+    pub file_bytes: usize,
+    pub offset: usize,
 }
 
 /// Memory from MLX's allocator that a caller fills before an array adopts it.

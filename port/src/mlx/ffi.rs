@@ -30,6 +30,14 @@ pub type moat_trace_fn = extern "C" fn(
     n_outs: usize,
 ) -> c_int;
 
+/// `moat_export` of moat_shim.h: where an exported array's bytes are.
+#[repr(C)]
+pub struct moat_export {
+    pub fd: c_int,
+    pub file_bytes: usize,
+    pub offset: usize,
+}
+
 extern "C" {
     pub fn moat_last_error() -> *const c_char;
     pub fn moat_mlx_version() -> *const c_char;
@@ -118,6 +126,10 @@ extern "C" {
     pub fn moat_set_memory_limit(limit: usize, previous: *mut usize) -> c_int;
     pub fn moat_set_cache_limit(limit: usize, previous: *mut usize) -> c_int;
     pub fn moat_clear_cache() -> c_int;
+    pub fn moat_buffer_files_open() -> usize;
+    pub fn moat_array_export(a: *const moat_array, seal: c_int, out: *mut moat_export) -> c_int;
+    pub fn moat_array_hold(a: *const moat_array) -> c_int;
+    pub fn moat_exports_sweep() -> usize;
     pub fn moat_array_unscheduled(a: *const moat_array) -> c_int;
     pub fn moat_array_available(a: *const moat_array) -> c_int;
     pub fn moat_array_id(a: *const moat_array) -> usize;

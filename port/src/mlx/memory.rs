@@ -66,6 +66,20 @@ pub fn set_cache_limit(bytes: usize) -> Result<usize> {
     Ok(previous)
 }
 
+/// Memory files open for MLX's large CPU buffers (port/shim/alloc.cpp),
+/// live and cached.
+pub fn buffer_files() -> usize {
+    // SAFETY: reads the allocator's counters; no arguments.
+    unsafe { ffi::moat_buffer_files_open() }
+}
+
+/// Lets go of the exported buffers (`Evaluated::export`) that nothing else
+/// holds any more, which frees them; returns how many stay held.
+pub fn sweep_exports() -> usize {
+    // SAFETY: no arguments; the shim's list is behind its own lock.
+    unsafe { ffi::moat_exports_sweep() }
+}
+
 pub fn clear_cache() -> Result<()> {
     // SAFETY: no arguments.
     check(unsafe { ffi::moat_clear_cache() })

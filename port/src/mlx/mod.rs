@@ -12,7 +12,7 @@ pub mod kernels;
 pub mod memory;
 pub mod ops;
 
-pub use array::{Array, Buffer, Element, Evaluated};
+pub use array::{Array, Buffer, Element, Evaluated, Exported};
 pub use compiled::{Compiled, Trace};
 pub use dtype::Dtype;
 

@@ -123,11 +123,14 @@ pub struct Refusal {
 /// `to_binary`'s `%{pin: min_bytes}` with `outs: [id]`: a readback of at
 /// least `min` bytes is pinned as `id` and answered with its address instead
 /// of a payload; with `sealed: true` too, with a sealed file's `path` and
-/// `inode` where one can be made.
+/// `inode` where one can be made; with `export: true`, with the file that
+/// holds the tensor's own buffer (`path`, `inode`, `file_bytes`, `offset`)
+/// where it is in one.
 pub struct Pin {
     pub id: Id,
     pub min: usize,
     pub sealed: bool,
+    pub export: bool,
 }
 
 /// The complete bytes of an uploaded tensor.
@@ -275,6 +278,7 @@ fn pin(req: &Request, attrs: &Term) -> Result<Option<Pin>, String> {
             id: *id,
             min,
             sealed: attrs.get("sealed").is_some_and(|t| t.is_atom("true")),
+            export: attrs.get("export").is_some_and(|t| t.is_atom("true")),
         })),
         _ => Err(format!(
             "to_binary takes attrs nil, or %{{pin: min_bytes}} with one out id; got {} with {} outs",

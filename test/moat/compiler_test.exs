@@ -111,6 +111,7 @@ defmodule Moat.CompilerTest do
     end
   end
 
+  @tag :f64
   test "small loops (run on the worker's host path) give the evaluator's bits" do
     nan = Nx.tensor([:nan, :infinity, :neg_infinity, -0.0, 0.0, 1.5, -2.5])
     f64 = t([1.0, -2.0e300, 3.5], type: :f64)

@@ -26,6 +26,8 @@ defmodule Moat.MemoryReadbackTest do
     worker |> os_pid() |> Reliability.open_fds() |> Enum.count(fn {_, target} -> target =~ "moat-readback" end)
   end
 
+  # process_vm_readv is the CPU worker's way; a GPU worker keeps sealed files.
+  @tag :cpu_only
   test "a large readback is a copy into the VM's memory: right bytes, no file, and later readbacks leave it alone" do
     assert Finalizer.loaded?()
     w = start_worker(:memory_trips, shared_memory_threshold: 64 * 1024, log_level: :error)
@@ -71,6 +73,9 @@ defmodule Moat.MemoryReadbackTest do
   # and a sealed file mapped as a binary (whose pages belong to the mapping
   # once the worker is gone).
   for {mode, via} <- [{true, :process_vm}, {:sealed_files, :sealed}] do
+    # process_vm_readv is the CPU worker's way; a GPU worker keeps sealed files.
+    if via == :process_vm, do: @tag(:cpu_only)
+
     test "a #{via} readback stays readable and correct after its worker is killed" do
       name = :"memory_killed_#{unquote(via)}"
       w = start_worker(name, shared_memory: unquote(mode), log_level: :error)
@@ -95,6 +100,8 @@ defmodule Moat.MemoryReadbackTest do
     end
   end
 
+  # process_vm_readv is the CPU worker's way; a GPU worker keeps sealed files.
+  @tag :cpu_only
   test "a pin at an address the worker does not map fails the read, and the pipe carries the tensor" do
     w = start_worker(:memory_wild, worker_path: Reliability.fault_worker_path(), log_level: :error)
     assert Client.conn(w).shared.via == :process_vm

@@ -13,6 +13,9 @@ defmodule Moat.ZeroCopyReadbackTest do
   @mib 1024 * 1024
 
   @moduletag :capture_log
+  # A GPU worker exports nothing (its buffers are CUDA memory, read back
+  # through sealed files: Moat.Shared.negotiate/3).
+  @moduletag :cpu_only
 
   defp bytes(n), do: :crypto.strong_rand_bytes(n)
 

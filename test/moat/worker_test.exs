@@ -169,40 +169,34 @@ defmodule Moat.WorkerTest do
     end
   end
 
+  # A chain of `n` casts of `acc + 1`, each checked against the window just
+  # after it is sent. Every handle stays alive, so no :release frame
+  # (another sender) shares the window while it is measured.
+  defp chain_within_window(worker, conn, n, window) do
+    one = Moat.from_binary(f32([1.0]), {1}, {:f, 32}, worker: worker)
+
+    [last | _] =
+      Enum.reduce(1..n, [one], fn _, [acc | _] = all ->
+        id = Client.new_id()
+        Client.cast(conn, :add, [id], Handles.ids!(conn, [acc, one], :add), %{type: {:f, 32}})
+        assert :atomics.get(conn.counters, 2) - Client.acked(conn) <= window
+        [Handles.ref(conn, id) | all]
+      end)
+
+    last
+  end
+
   describe "backpressure" do
     test "fire-and-forget frames never exceed the window of unacknowledged frames" do
       worker = start_worker(:narrow_window, window: 16)
       conn = Client.conn(worker)
-      one = Moat.from_binary(f32([1.0]), {1}, {:f, 32}, worker: worker)
-
-      # Every handle stays alive, so no :release frame (another sender)
-      # shares the window while it is measured.
-      [last | _] =
-        Enum.reduce(1..3_000, [one], fn _, [acc | _] = all ->
-          id = Client.new_id()
-          Client.cast(conn, :add, [id], Handles.ids!(conn, [acc, one], :add), %{type: {:f, 32}})
-          sent = :atomics.get(conn.counters, 2)
-          assert sent - Client.acked(conn) <= 16
-          [Handles.ref(conn, id) | all]
-        end)
-
-      assert Moat.to_binary(last) == f32([3001.0])
+      assert Moat.to_binary(chain_within_window(worker, conn, 3_000, 16)) == f32([3001.0])
     end
 
     test "a window of 1: each cast waits for the ack the worker sends once its input stays empty" do
       worker = start_worker(:window_of_one, window: 1)
       conn = Client.conn(worker)
-      one = Moat.from_binary(f32([1.0]), {1}, {:f, 32}, worker: worker)
-
-      [last | _] =
-        Enum.reduce(1..300, [one], fn _, [acc | _] = all ->
-          id = Client.new_id()
-          Client.cast(conn, :add, [id], Handles.ids!(conn, [acc, one], :add), %{type: {:f, 32}})
-          assert :atomics.get(conn.counters, 2) - Client.acked(conn) <= 1
-          [Handles.ref(conn, id) | all]
-        end)
-
-      assert Moat.to_binary(last) == f32([301.0])
+      assert Moat.to_binary(chain_within_window(worker, conn, 300, 1)) == f32([301.0])
     end
   end
 

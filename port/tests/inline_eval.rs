@@ -58,6 +58,8 @@ fn since(before: InlineStats) -> (u64, u64) {
 
 #[test]
 fn synchronous_cpu_evaluations_run_inline_and_keep_mlx_errors() {
+    // Inlining is the CPU stream's; a CUDA build's default device is the GPU.
+    mlx::Device::Cpu.make_default().unwrap();
     let inline = mlx::inline_eval();
     assert_eq!(inline, std::env::var("MOAT_INLINE_EVAL").as_deref() != Ok("0"));
     let x = f32s(&[1.0, 2.0, 3.0, 4.0]);

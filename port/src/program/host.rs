@@ -900,7 +900,11 @@ mod tests {
         step.apply(&ins).map(Rc::unwrap_or_clone)
     }
 
+    /// The builder's result on MLX's CPU, whatever the default device: the
+    /// host path stands in for CPU kernels (a GPU refuses f64 and writes NaNs
+    /// with other payload bits).
     fn mlx(name: &str, ins: &[&Value], a: &Term) -> Result<Value, String> {
+        crate::mlx::Device::Cpu.make_default().map_err(|e| e.to_string())?;
         let arrays: Vec<Array> = ins.iter().map(|v| v.data.to_array(&v.shape).unwrap()).collect();
         let refs: Vec<&Array> = arrays.iter().collect();
         let (_, builder) = crate::ops::builder(name).unwrap();

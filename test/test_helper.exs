@@ -35,4 +35,9 @@ on_gpu =
     []
   end
 
-ExUnit.start(exclude: [:soak, :hex_tarball] ++ large ++ gpu ++ on_gpu)
+# Moat.FailureSummary repeats the failed tests' names after the run, where
+# a CI log's tail shows them.
+ExUnit.start(
+  exclude: [:soak, :hex_tarball] ++ large ++ gpu ++ on_gpu,
+  formatters: [ExUnit.CLIFormatter, Moat.FailureSummary]
+)

@@ -16,11 +16,8 @@ defmodule Moat.FailureSummary do
   end
 
   @impl true
-  def handle_cast({:test_finished, %ExUnit.Test{state: {:failed, _}} = test}, failed) do
-    {:noreply, [test | failed]}
-  end
-
-  def handle_cast({:test_finished, %ExUnit.Test{state: {:invalid, _}} = test}, failed) do
+  def handle_cast({:test_finished, %ExUnit.Test{state: {state, _}} = test}, failed)
+      when state in [:failed, :invalid] do
     {:noreply, [test | failed]}
   end
 

@@ -26,6 +26,30 @@ defmodule Profile.NullBackend do
   def add(out, _a, _b), do: %{out | data: %__MODULE__{}}
 end
 
+# The least a backend behind a pipe with release on GC can do per op: an
+# id, a finalizer token, the frame's encoding and its write (a port command,
+# or a push into a batch outbox). No checks, no scopes, no window: a floor
+# for Moat.Backend's dispatch, not a backend (docs/latency.md, "The floor
+# of a dispatch").
+defmodule Profile.FloorBackend do
+  @moduledoc false
+  defstruct [:conn, :id, :token]
+
+  def add(out, %{data: %__MODULE__{conn: c, id: a}}, %{data: %__MODULE__{id: b}}) do
+    id = :erlang.unique_integer([:positive, :monotonic])
+    token = Moat.Finalizer.new(c.releaser, id)
+    frame = Moat.Protocol.request(0, c.generation, :add, [id], [a, b], %{type: out.type})
+    write(c, frame)
+    %{out | data: %__MODULE__{conn: c, id: id, token: token}}
+  end
+
+  defp write(%{outbox: nil, port: port}, frame), do: Port.command(port, frame)
+  defp write(%{outbox: outbox}, frame), do: :ok = Moat.Finalizer.outbox_push(outbox, frame)
+
+  # A tensor of `conn`'s worker that stands for Moat tensor `t` (kept alive by the caller).
+  def wrap(%{data: %Moat.Backend{ref: ref}} = t, conn), do: %{t | data: %__MODULE__{conn: conn, id: ref.id}}
+end
+
 defmodule Profile do
   import Bench
 
@@ -264,6 +288,10 @@ defmodule Profile do
     rounds = String.to_integer(System.get_env("PROFILE_ROUNDS", "9"))
 
     null = %{bin | data: %Profile.NullBackend{}}
+    {:ok, _} = Moat.Worker.start_link(name: :profile_batched, batch_writes: true)
+    batched = moat(f32(4, 1.5), {4}, :profile_batched)
+    floor = Profile.FloorBackend.wrap(small, conn)
+    floor_batched = Profile.FloorBackend.wrap(batched, Moat.Client.conn(:profile_batched))
 
     parts = [
       {"`Nx.add` on a backend whose add does nothing: Nx's front end", fn -> Nx.add(null, null) end},
@@ -271,6 +299,9 @@ defmodule Profile do
       {"`Nx.BinaryBackend.add/3` (no Nx front end)", fn -> Nx.BinaryBackend.add(bout, bin, bin) end},
       {"a chain of `Nx.add` on Nx.BinaryBackend (bench/latency.exs)", chain(bin)},
       {"a chain of `Nx.add` on Moat.Backend (bench/latency.exs)", chain(small)},
+      {"a chain of `Nx.add` on Moat.Backend, `batch_writes: true`", chain(batched)},
+      {"a chain on the floor backend: id, token, encoding, `Port.command/2`", chain(floor)},
+      {"a chain on the floor backend: id, token, encoding, outbox push", chain(floor_batched)},
       {"`Nx.add` on Moat.Backend", fn -> Nx.add(small, small) end},
       {"`Moat.Backend.add/3` (no Nx front end)", fn -> Moat.Backend.add(out, small, small) end},
       {"raw add: new_id, ids!, ref, cast", fn -> raw_add(conn, one) end},
@@ -300,6 +331,7 @@ defmodule Profile do
           each = time_us(fn -> run_n(f, n) end) / n
           cpu1 = cpu_ns(vm)
           {:ok, _, _} = Moat.Client.call(conn, :sync, [], nil)
+          {:ok, _, _} = Moat.Client.call(Moat.Client.conn(:profile_batched), :sync, [], nil)
           :erlang.garbage_collect()
           Map.update(acc, label, [{each, (cpu1 - cpu0) / n / 1000}], &[{each, (cpu1 - cpu0) / n / 1000} | &1])
       end

@@ -574,14 +574,28 @@ defmodule Moat.Client do
   # A call (its caller waits for the reply) writes itself when nothing is
   # queued: every frame it may depend on is then on the port already.
   # Behind queued frames, it writes them with its own frame last, in one
-  # batch (so a call never waits for the writer).
+  # batch (so a call never waits for the writer). That batch is a port task
+  # (`enif_port_command/4` never writes inline), run when this scheduler
+  # next schedules: so the caller yields before it waits awake (`spin/1`),
+  # which would otherwise hold the scheduler for the whole spin with its
+  # frame unwritten, then sleep before the reply (docs/latency.md, "Batched
+  # writes, a cast then a call").
   defp command_call(%__MODULE__{outbox: nil} = conn, op, iodata), do: direct(conn, op, iodata)
 
   defp command_call(conn, op, iodata) do
     case push_call(conn, op, iodata) do
-      :direct -> direct(conn, op, iodata)
-      :ok -> sent(conn)
-      :closed -> raise Error.new(:worker_unavailable, op, cause(conn))
+      :direct ->
+        direct(conn, op, iodata)
+
+      :ok ->
+        sent(conn)
+        # The scheduler runs a queued port task before it picks the next
+        # process: the batch is written before this process spins.
+        :erlang.yield()
+        :ok
+
+      :closed ->
+        raise Error.new(:worker_unavailable, op, cause(conn))
     end
   end
 

@@ -2,7 +2,9 @@
 # (docs/latency.md): a plain `:binary.copy` in the VM, a tensor's first
 # readback, a repeated one, a repeated one with every byte read (copied),
 # and an upload, all with shared memory on, beside a worker that reads back
-# through sealed files (`shared_memory: :sealed_files`). With MOAT_WORKER_B set, a second
+# through sealed files (`shared_memory: :sealed_files`). Each row is settled
+# before its timing (`Bench.Transfers.settle/1`): what earlier rows released
+# is freed first, so it lands on no row. With MOAT_WORKER_B set, a second
 # worker runs that executable beside the default one, rep by rep, so two
 # worker builds compare within one run:
 #

@@ -3,17 +3,26 @@
 # three extra rows right after the first readback + copy (docs/latency.md,
 # "Readback plus copy: where the rest goes"): a 16-byte readback from an idle
 # second worker, then two from this one. SETTLE=<ms> sleeps before the
-# readback + copy row.
+# readback + copy row; SETTLE=full settles every row right before its timing
+# (`Bench.Transfers.settle/1`, as bench/readback.exs does), so the 16-byte
+# readbacks show whether anything was left to land on them.
 #
 #   REPS=15 mix run -r bench/support.exs bench/readback_split.exs
+#   REPS=15 SETTLE=full mix run -r bench/support.exs bench/readback_split.exs
 
 reps = String.to_integer(System.get_env("REPS", "15"))
-settle = String.to_integer(System.get_env("SETTLE", "0"))
+full = System.get_env("SETTLE") == "full"
+settle = if full, do: 0, else: String.to_integer(System.get_env("SETTLE", "0"))
 bytes = 64 * 1024 * 1024
 data = :binary.copy(<<1, 2, 3, 4, 5, 6, 7, 8>>, div(bytes, 8))
 w = Moat.Worker
 {:ok, _} = Moat.Worker.start_link(name: :readback_split_other)
-us = fn f -> Bench.time_us(f) end
+pre = fn -> if full, do: Bench.Transfers.settle(w) end
+
+us = fn f ->
+  pre.()
+  Bench.time_us(f)
+end
 
 small = fn worker ->
   t = Moat.from_binary(<<1::32, 2::32, 3::32, 4::32>>, {4}, {:f, 32}, worker: worker)
@@ -53,6 +62,7 @@ kinds = [
   readback: fn -> us.(fn -> ^bytes = byte_size(Moat.to_binary(held)) end) end,
   readback_copy: fn ->
     if settle > 0, do: Process.sleep(settle)
+    pre.()
     t0 = System.monotonic_time(:nanosecond)
     b = Moat.to_binary(held)
     t1 = System.monotonic_time(:nanosecond)
@@ -73,7 +83,7 @@ times =
   end
 
 base = Bench.median(times[:vm_copy])
-IO.puts("medians of #{reps} reps, SETTLE=#{settle}\n")
+IO.puts("medians of #{reps} reps, SETTLE=#{System.get_env("SETTLE", "0")}\n")
 Bench.row(["row", "µs", "× the plain copy's time"])
 Bench.row(["---", "---:", "---:"])
 

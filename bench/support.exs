@@ -49,7 +49,11 @@ defmodule Bench.Transfers do
   # since what one worker leaves running (a sealed-file worker's spare files,
   # made in the background) would slow the other's rows. Returns GB/s by
   # case (`{kind, worker}`; `{:vm_copy, worker}` is the plain copy measured
-  # in that worker's pass, `:vm_copy` over all of them).
+  # in that worker's pass, `:vm_copy` over all of them). Every row is
+  # settled (`settle/1`) right before its timing starts, after its own setup:
+  # what earlier rows released (two 64 MiB tensors per first-readback row,
+  # an upload's tensor, mapped and copied binaries) is freed by then, so
+  # that cleanup is in no row's time (docs/latency.md, "Settled rows").
   def measure(workers, reps) do
     bytes = @bytes
     data = :binary.copy(<<1, 2, 3, 4, 5, 6, 7, 8>>, div(bytes, 8))
@@ -57,6 +61,7 @@ defmodule Bench.Transfers do
     first_readback = fn w ->
       fresh = Moat.from_binary(data, {div(bytes, 4)}, {:f, 32}, worker: w)
       :ok = Moat.eval(fresh)
+      settle(w)
       us = time_us(fn -> ^bytes = byte_size(Moat.to_binary(fresh)) end)
       Moat.deallocate(fresh)
       us
@@ -66,6 +71,7 @@ defmodule Bench.Transfers do
       x = Nx.from_binary(data, :f32, backend: {Moat.Backend, worker: w})
       %Nx.Tensor{data: %Moat.Backend{ref: ref}} = y = Nx.multiply(x, 2.0)
       :ok = Moat.eval(ref)
+      settle(w)
       us = time_us(fn -> ^bytes = byte_size(read.(Moat.to_binary(ref))) end)
       Nx.backend_deallocate(x)
       Nx.backend_deallocate(y)
@@ -76,14 +82,19 @@ defmodule Bench.Transfers do
       held = Moat.from_binary(data, {div(bytes, 4)}, {:f, 32}, worker: w)
       :ok = Moat.eval(held)
 
+      settled = fn f ->
+        settle(w)
+        time_us(f)
+      end
+
       measure = fn
-        :vm_copy -> time_us(fn -> ^bytes = byte_size(:binary.copy(data)) end)
+        :vm_copy -> settled.(fn -> ^bytes = byte_size(:binary.copy(data)) end)
         :first_readback -> first_readback.(w)
         :first_computed -> first_computed.(w, & &1)
         :first_computed_copy -> first_computed.(w, &:binary.copy/1)
-        :readback -> time_us(fn -> ^bytes = byte_size(Moat.to_binary(held)) end)
-        :readback_copy -> time_us(fn -> ^bytes = byte_size(:binary.copy(Moat.to_binary(held))) end)
-        :upload -> time_us(fn -> :ok = Moat.eval(Moat.from_binary(data, {bytes}, {:u, 8}, worker: w)) end)
+        :readback -> settled.(fn -> ^bytes = byte_size(Moat.to_binary(held)) end)
+        :readback_copy -> settled.(fn -> ^bytes = byte_size(:binary.copy(Moat.to_binary(held))) end)
+        :upload -> settled.(fn -> :ok = Moat.eval(Moat.from_binary(data, {bytes}, {:u, 8}, worker: w)) end)
       end
 
       kinds = [:vm_copy, :first_readback, :first_computed, :first_computed_copy, :readback, :readback_copy, :upload]
@@ -104,6 +115,54 @@ defmodule Bench.Transfers do
     all_copies = for({{:vm_copy, _}, us} <- times, do: us) |> Enum.concat()
     gbps = fn us -> bytes / (median(us) * 1000) end
     times |> Map.new(fn {c, us} -> {c, gbps.(us)} end) |> Map.put(:vm_copy, gbps.(all_copies))
+  end
+
+  # Lets what was released before finish, so that it lands on no timing:
+  # this process's garbage collected (a mapped binary no longer referenced
+  # is unmapped there, and the finalizer tokens of dropped tensors fire),
+  # a call to the worker after the releases are flushed (`Moat.memory_info/1`:
+  # the worker has run every release by its answer, unmapping uploads and
+  # handing exported buffers to its reaper thread), then a wait until the
+  # worker's threads (the reaper's `munmap` and `close` included) used no
+  # CPU for 5 ms in a row (at most 1 s).
+  def settle(worker) do
+    :erlang.garbage_collect()
+    _ = Moat.memory_info(worker)
+    await_idle(Moat.Worker.info(worker).os_pid, cpu_ns(Moat.Worker.info(worker).os_pid), now_ms(), now_ms())
+  end
+
+  @quiet_ms 5
+  @settle_max_ms 1000
+
+  defp await_idle(pid, cpu, quiet_since, started) do
+    Process.sleep(1)
+    now = now_ms()
+    cpu_now = cpu_ns(pid)
+
+    cond do
+      now - started > @settle_max_ms -> :timeout
+      cpu_now > cpu + 50_000 -> await_idle(pid, cpu_now, now, started)
+      now - quiet_since >= @quiet_ms -> :ok
+      true -> await_idle(pid, cpu, quiet_since, started)
+    end
+  end
+
+  defp now_ms, do: System.monotonic_time(:millisecond)
+
+  # CPU time of all the threads of OS process `pid` (ns, /proc/PID/task/*/schedstat).
+  defp cpu_ns(pid) do
+    case File.ls("/proc/#{pid}/task") do
+      {:ok, tids} ->
+        Enum.reduce(tids, 0, fn tid, acc ->
+          case File.read("/proc/#{pid}/task/#{tid}/schedstat") do
+            {:ok, line} -> acc + (line |> String.split() |> hd() |> String.to_integer())
+            {:error, _} -> acc
+          end
+        end)
+
+      {:error, _} ->
+        0
+    end
   end
 
   # The table of `measure/2`'s results, a row per worker (the one README carries).

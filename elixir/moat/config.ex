@@ -39,6 +39,8 @@ defmodule Moat.Config do
     {:tf32, false, :worker, "f32 matrix products on the GPU may use TF32 tensor cores (MLX's own default is `true`)"},
     {:watchdog, 30_000, :worker,
      "milliseconds without progress, while calls wait, after which a worker counts as hung and is killed (`false`: off)"},
+    {:buffer_files, nil, :worker,
+     "a CPU worker keeps MLX's buffers of 1 MiB or more in memory files, which a large readback maps without a copy (`false`: in MLX's own memory, read back by a copy; `nil`: `$MOAT_BUFFER_FILES`, on unless it is `0`)"},
     {:kernel_cache, nil, :worker,
      "where MLX keeps fused kernels of `Moat.Compiler`'s `fuse: true` (`nil`: `~/.cache/moat-kernels`)"},
     {:restart_wait, 5_000, :use,

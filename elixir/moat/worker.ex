@@ -43,7 +43,7 @@ defmodule Moat.Worker do
       and reconnects, with backoff for up to `:hello_timeout`, each time its
       node goes down; every connection is a new generation. Options that
       set the worker's process (`:worker_path`, `:gpu`, `:tf32`,
-      `:cpu_kernels`, `:kernel_cache`, `:log_level`, `:device`, frame
+      `:cpu_kernels`, `:kernel_cache`, `:buffer_files`, `:log_level`, `:device`, frame
       limits, debug checks) are the C-node's own command line there; the
       watchdog and shared memory are off.
     * `:worker_path` - the `moat_port` executable (default: `$MOAT_WORKER`,
@@ -101,6 +101,14 @@ defmodule Moat.Worker do
       `:avx2`, `:avx512`, or `:mlx` (MLX's own kernels, for comparison);
       sets `MOAT_CPU_FEATURES` for the worker, which otherwise inherits it
     * `:hello_timeout` - how long to wait for the worker's handshake (15 s)
+    * `:buffer_files` - whether a CPU worker keeps MLX's buffers of 1 MiB
+      or more in memory files (port/shim/alloc.cpp), so that a large
+      readback maps the tensor's own buffer instead of copying it
+      (protocol.md §6, "Zero-copy readback"). `false` leaves them in MLX's
+      own memory: readbacks are then copied. `nil` (the default, from
+      `config :moat, :buffer_files`) leaves it to the worker's
+      environment: on unless `MOAT_BUFFER_FILES` is `0`. Sets
+      `MOAT_BUFFER_FILES` for the worker; a GPU worker ignores it
     * `:kernel_cache` - where MLX keeps the fused kernels it compiles for
       `Moat.Compiler`'s `fuse: true` (default: `moat-kernels` in the user's
       cache folder, `~/.cache/moat-kernels` on Linux; default from
@@ -295,6 +303,7 @@ defmodule Moat.Worker do
          kernel_cache_env(setting.(:kernel_cache)) ++
            gpu_env(Keyword.get(opts, :gpu)) ++
            tf32_env(setting.(:tf32)) ++
+           buffer_files_env(setting.(:buffer_files)) ++
            kernel_env(Keyword.get(opts, :cpu_kernels)) ++ default_env()}
       ])
 
@@ -362,6 +371,14 @@ defmodule Moat.Worker do
 
   defp tf32_env(on) when is_boolean(on), do: [{~c"MLX_ENABLE_TF32", if(on, do: ~c"1", else: ~c"0")}]
   defp tf32_env(other), do: raise(ArgumentError, "Moat.Worker: :tf32 must be a boolean, got #{inspect(other)}")
+
+  # Read by port/shim/alloc.cpp when MLX first allocates: an environment
+  # variable, not an argument, so it is set before any of the worker's code runs.
+  defp buffer_files_env(nil), do: []
+  defp buffer_files_env(on) when is_boolean(on), do: [{~c"MOAT_BUFFER_FILES", if(on, do: ~c"1", else: ~c"0")}]
+
+  defp buffer_files_env(other),
+    do: raise(ArgumentError, "Moat.Worker: :buffer_files must be true, false or nil, got #{inspect(other)}")
 
   defp gpu_env(nil), do: []
   defp gpu_env(index) when is_integer(index) and index >= 0, do: [{~c"CUDA_VISIBLE_DEVICES", ~c"#{index}"}]

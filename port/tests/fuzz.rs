@@ -7,7 +7,12 @@
 //! (`MOAT_FUZZ_SEED` replays it) and the input.
 //!
 //! * the term decoder never panics, and what it accepts re-encodes stably;
-//! * the frame reader never panics and always makes progress;
+//! * the frame reader never panics and always makes progress, one reader over
+//!   a whole stream of lone packets and batch packets (valid, malformed,
+//!   damaged); on a stream whose packet lengths add up, it gives exactly the
+//!   heads protocol.md §1 ("Batches") predicts: each frame's header and
+//!   payload length, alone or inside a batch, and one refusal per bad frame
+//!   and per malformed batch;
 //! * the reader thread turns every frame into exactly one message, whether it
 //!   came alone or inside a batch packet, and a malformed batch into the
 //!   errors protocol.md §1 ("Batches") predicts: one for a bad inner length
@@ -30,7 +35,7 @@ use common::*;
 use crossbeam_channel::unbounded;
 use moat_port::cnode::{envelope, Envelope, MessageSource};
 use moat_port::connection::{pipe_source, PipeSink};
-use moat_port::frame::{split_body, write_frame, FrameReader, Limits};
+use moat_port::frame::{split_body, write_frame, FrameReader, Head, Limits};
 use moat_port::incoming::{read_loop, ReaderConfig};
 use moat_port::protocol::{map, Request};
 use moat_port::replies::Replies;
@@ -617,19 +622,83 @@ fn the_term_decoder_never_panics_and_what_it_accepts_reencodes_stably() {
     );
 }
 
+/// Whether `stream`'s packet lengths add up to exactly its length (what the
+/// BEAM's `{packet, 4}` writes): `expected` then models every packet.
+fn well_framed(mut rest: &[u8]) -> bool {
+    while rest.len() >= 4 {
+        let n = be32(rest);
+        if n > rest.len() - 4 {
+            return false;
+        }
+        rest = &rest[4 + n..];
+    }
+    rest.is_empty()
+}
+
+/// Checks one head of the frame reader against what the model expects of it.
+fn check_head(expect: &Expect, head: &Head, limits: &Limits) {
+    let refusal = |head: &Head| match &head.header {
+        Err(e) => Some(e.0.clone()),
+        Ok(_) => None,
+    };
+    match expect {
+        Expect::BadLength => {
+            let why = refusal(head).expect("a bad inner length is refused");
+            assert!(why.contains("malformed batch") && why.contains("dropped"), "{why}");
+            assert_eq!(head.payload_len, 0);
+        }
+        Expect::EmptyBatch => {
+            let why = refusal(head).expect("an empty batch is refused");
+            assert!(why.contains("a batch packet with no frames"), "{why}");
+        }
+        Expect::Frame { body, in_batch } => {
+            if body.len() < 4 {
+                assert!(
+                    refusal(head).is_some(),
+                    "a frame too short for its header length is refused"
+                );
+                return;
+            }
+            let header_len = be32(body);
+            if *in_batch && header_len == 0 {
+                let why = refusal(head).expect("a batch inside a batch is refused");
+                assert!(why.contains("a batch inside a batch"), "{why}");
+                return;
+            }
+            if header_len > body.len() - 4 || header_len > limits.max_header_bytes {
+                let why = refusal(head).expect("a lying or oversized header length is refused");
+                assert!(why.contains("header length"), "{why}");
+                return;
+            }
+            // Compared re-encoded: a NaN in a header is not equal to itself.
+            match (&head.header, decode(&body[4..4 + header_len])) {
+                (Ok(got), Ok(want)) => assert_eq!(encode(got), encode(&want), "the frame's header, decoded"),
+                (got, want) => assert_eq!(got, &want, "the frame's header, decoded"),
+            }
+            assert_eq!(
+                head.payload_len,
+                body.len() - 4 - header_len,
+                "the frame's payload length"
+            );
+            assert_eq!(head.oversized, body.len() > limits.max_frame_bytes, "oversized");
+        }
+    }
+}
+
 #[test]
 fn the_frame_reader_never_panics_and_always_makes_progress() {
     let corpus = corpus();
     let gen = |rng: &mut Rng| {
-        // Several packets whose lengths may lie, then maybe junk.
+        // Several packets, lone frames and batches, whose lengths may lie,
+        // then maybe junk.
         let mut stream = Vec::new();
-        for _ in 0..1 + rng.below(4) {
-            let b = if rng.chance(4) {
+        for _ in 0..1 + rng.below(6) {
+            let b = if rng.chance(3) {
                 batch_body(&corpus, rng)
             } else {
                 damaged_body(&corpus, rng)
             };
-            let len = if rng.chance(4) {
+            let len = if rng.chance(8) {
                 rng.next() as u32 % (b.len() as u32 + 16)
             } else {
                 b.len() as u32
@@ -637,7 +706,7 @@ fn the_frame_reader_never_panics_and_always_makes_progress() {
             stream.extend_from_slice(&len.to_be_bytes());
             stream.extend_from_slice(&b);
         }
-        if rng.chance(4) {
+        if rng.chance(8) {
             stream.extend((0..rng.below(16)).map(|_| rng.next() as u8));
         }
         stream
@@ -647,20 +716,54 @@ fn the_frame_reader_never_panics_and_always_makes_progress() {
         max_frame_bytes: 512,
         chunk_bytes: 128,
     };
+    let modelled = std::cell::Cell::new(0u64);
+    let batched = std::cell::Cell::new(0u64);
     let runs = fuzz("frame reader", gen, |input| {
-        let mut cursor = Cursor::new(input);
+        // One reader over the whole stream, as the worker's: a batch's
+        // frames come one by one from it.
+        let mut frames = FrameReader::new(Cursor::new(input), limits);
+        let mut heads = Vec::new();
+        let mut clean_end = false;
         loop {
-            let before = cursor.position();
-            let mut frames = FrameReader::new(&mut cursor, limits);
-            let Ok(Some(head)) = frames.next_head() else { break };
-            if let Ok(header) = head.header {
-                let _ = Request::parse(header);
+            let before = frames.get_ref().position();
+            let head = match frames.next_head() {
+                Ok(Some(head)) => head,
+                Ok(None) => {
+                    clean_end = true;
+                    break;
+                }
+                Err(_) => break,
+            };
+            assert!(frames.get_ref().position() > before, "no progress at offset {before}");
+            if let Ok(header) = &head.header {
+                let _ = Request::parse(header.clone());
             }
+            heads.push(head);
             if frames.skip_payload().is_err() {
                 break;
             }
-            assert!(cursor.position() > before, "no progress at offset {before}");
         }
+        if !well_framed(input) {
+            return;
+        }
+        let expect = expected(input);
+        assert!(clean_end, "a well-framed stream reads to its end");
+        assert_eq!(frames.get_ref().position() as usize, input.len());
+        assert!(!frames.in_batch());
+        assert_eq!(
+            heads.len(),
+            expect.len(),
+            "one head per frame and per malformed batch: {expect:?}"
+        );
+        for (e, h) in expect.iter().zip(&heads) {
+            check_head(e, h, &limits);
+        }
+        modelled.set(modelled.get() + 1);
+        let in_batch = expect
+            .iter()
+            .filter(|e| matches!(e, Expect::Frame { in_batch: true, .. }))
+            .count();
+        batched.set(batched.get() + in_batch as u64);
     });
     report::row(
         "malformed",
@@ -668,7 +771,17 @@ fn the_frame_reader_never_panics_and_always_makes_progress() {
         runs,
         runs,
         0,
-        "no panic; every frame consumed",
+        &format!(
+            "no panic; progress on every head; one reader per stream of lone and batch packets; \
+             the {} well-framed streams gave exactly the heads protocol.md §1 predicts ({} frames inside batches)",
+            modelled.get(),
+            batched.get()
+        ),
+    );
+    println!(
+        "frame reader: {} of {runs} streams well framed and modelled, {} frames inside batches",
+        modelled.get(),
+        batched.get()
     );
 }
 

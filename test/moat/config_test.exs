@@ -59,6 +59,81 @@ defmodule Moat.ConfigTest do
     end
   end
 
+  # The worker's mappings of its buffer files (port/shim/alloc.cpp).
+  defp buffer_files_mapped?(worker), do: File.read!("/proc/#{os_pid(worker)}/maps") =~ "memfd:moat-buffer"
+
+  # A computed 4 MiB result (a buffer of MLX's own) and its readback.
+  defp computed_readback(worker) do
+    data = :crypto.strong_rand_bytes(4 * @mib)
+    x = Nx.from_binary(data, :u8, backend: {Moat.Backend, worker: worker})
+    y = Nx.concatenate([x, x])
+    %Nx.Tensor{data: %Moat.Backend{ref: ref}} = y
+    :ok = Moat.eval(ref)
+    {data <> data, read_back(ref)}
+  end
+
+  # A GPU worker's buffers are CUDA memory: the option changes nothing there.
+  @tag :cpu_only
+  test "buffer_files: false keeps MLX's buffers out of memory files; large readbacks stay right" do
+    off = start_worker(:buffer_files_off, buffer_files: false)
+    {expected, {transfer, got}} = computed_readback(off)
+    assert got == expected
+    assert transfer == :shared_memory, "still read from the worker's memory, by a copy"
+    refute buffer_files_mapped?(off)
+
+    # Many results, freed and made again, read back right.
+    for _ <- 1..5 do
+      {expected, {_, got}} = computed_readback(off)
+      assert got == expected
+    end
+
+    refute buffer_files_mapped?(off)
+
+    on = start_worker(:buffer_files_on, buffer_files: true)
+    {expected, {:shared_memory, got}} = computed_readback(on)
+    assert got == expected
+    assert buffer_files_mapped?(on)
+  end
+
+  # As above: CPU workers only.
+  @tag :cpu_only
+  test "buffer_files from config, and nil leaves it to $MOAT_BUFFER_FILES" do
+    Application.put_env(:moat, :buffer_files, false)
+
+    try do
+      start_worker(:buffer_files_by_config)
+      {expected, {_, got}} = computed_readback(:buffer_files_by_config)
+      assert got == expected
+      refute buffer_files_mapped?(:buffer_files_by_config)
+    after
+      Application.delete_env(:moat, :buffer_files)
+    end
+
+    saved = System.get_env("MOAT_BUFFER_FILES")
+    System.put_env("MOAT_BUFFER_FILES", "0")
+
+    try do
+      start_worker(:buffer_files_by_env)
+      {expected, {_, got}} = computed_readback(:buffer_files_by_env)
+      assert got == expected
+      refute buffer_files_mapped?(:buffer_files_by_env)
+      # The option overrides the environment.
+      start_worker(:buffer_files_over_env, buffer_files: true)
+      {expected, {_, got}} = computed_readback(:buffer_files_over_env)
+      assert got == expected
+      assert buffer_files_mapped?(:buffer_files_over_env)
+    after
+      if saved, do: System.put_env("MOAT_BUFFER_FILES", saved), else: System.delete_env("MOAT_BUFFER_FILES")
+    end
+  end
+
+  test "a bad buffer_files fails the start, naming the option" do
+    assert {:error, {{%ArgumentError{message: message}, _}, _}} =
+             start_supervised({Moat.Worker, name: :buffer_files_bad, buffer_files: "0"})
+
+    assert message == ~s(Moat.Worker: :buffer_files must be true, false or nil, got "0")
+  end
+
   test "device is read when a worker starts" do
     Application.put_env(:moat, :device, :gpu)
 

@@ -68,8 +68,13 @@ pub fn conv(x: &[&Array], a: &Term) -> Outputs {
     } else {
         (input, fg)
     };
-    // MLX's f64 convolution has no dilated kernels: dilate explicitly.
-    let (input, kernel) = if input.dtype() == Dtype::F64 {
+    // MLX's f64 convolution has no dilated kernels, and MLX 0.32.4's CUDA
+    // convolution returns wrong values with input dilation or with more
+    // padding before than after under strides (README, "GPU"): dilate
+    // explicitly there, and on the GPU pad explicitly too (below), so MLX
+    // sees strides and groups only.
+    let explicit = input.dtype() == Dtype::F64 || crate::mlx::on_gpu();
+    let (input, kernel) = if explicit {
         let (mut input, mut kernel) = (input, kernel);
         for axis in 0..spatial {
             input = dilate(&input, axis as i32 + 2, input_dilation[axis])?;
@@ -84,6 +89,11 @@ pub fn conv(x: &[&Array], a: &Term) -> Outputs {
     // MLX wants channels last and no negative padding; negative padding
     // crops the (dilated) input first.
     let (input, input_dilation, padding) = crop_negative_padding(&input, &input_dilation, &padding)?;
+    let (input, padding) = if crate::mlx::on_gpu() {
+        pad_explicitly(&input, &padding)?
+    } else {
+        (input, padding)
+    };
     let channels_last: Vec<i32> = [&[0][..], &(2..rank as i32).collect::<Vec<_>>(), &[1]].concat();
     let (input, kernel) = (
         ops::transpose(&input, &channels_last)?,
@@ -175,6 +185,23 @@ fn crop_negative_padding(
     let cropped = ops::slice(&x, &start, &stop, &vec![1; shape.len()])?;
     let padding = padding.iter().map(|&(lo, hi)| (lo.max(0), hi.max(0))).collect();
     Ok((cropped, vec![1; dilation.len()], padding))
+}
+
+/// The input `[N, C, spatial...]` with its (non-negative) padding applied
+/// as zeros, and no padding left for the convolution.
+fn pad_explicitly(input: &Array, padding: &[(i32, i32)]) -> Result<(Array, Padding)> {
+    let none = vec![(0, 0); padding.len()];
+    if padding.iter().all(|&p| p == (0, 0)) {
+        return Ok((input.share()?, none));
+    }
+    let rank = input.shape().len();
+    let (mut lo, mut hi) = (vec![0; rank], vec![0; rank]);
+    for (i, &(l, h)) in padding.iter().enumerate() {
+        lo[i + 2] = l;
+        hi[i + 2] = h;
+    }
+    let zero = ops::astype(&Array::scalar(0i32)?, input.dtype())?;
+    Ok((ops::pad(input, &lo, &hi, &zero)?, none))
 }
 
 /// `d - 1` zeros between neighbours along `axis`.
@@ -510,4 +537,65 @@ fn pairs(t: &Term) -> std::result::Result<Vec<(i32, i32)>, String> {
             _ => Err(format!("expected a {{lo, hi}} pair, got {p}")),
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Input and kernel shapes (channels last), stride, input dilation, padding.
+    type Case = (&'static [i32], &'static [i32], i32, i32, (i32, i32));
+
+    fn values(shape: &[i32], seed: i32) -> Array {
+        let n: i32 = shape.iter().product();
+        let v: Vec<f32> = (0..n).map(|i| ((i * 7 + seed) % 19 - 9) as f32 / 2.0).collect();
+        Array::from_values(&v, shape).unwrap()
+    }
+
+    fn read(x: &Array) -> Vec<f32> {
+        x.evaluate().unwrap().values::<f32>().unwrap().to_vec()
+    }
+
+    // What the GPU path sends MLX (explicit dilation and padding, strides
+    // only) equals MLX's own dilated, padded convolution, on the CPU.
+    #[test]
+    fn explicit_dilation_and_padding_convolve_as_mlx_does() {
+        crate::mlx::Device::Cpu.make_default().unwrap();
+        let cases: [Case; 5] = [
+            (&[2, 3, 1], &[1, 1, 1], 2, 2, (2, 0)),
+            (&[2, 3, 1], &[1, 1, 1], 2, 1, (2, 0)),
+            (&[1, 6, 2], &[2, 2, 2], 2, 1, (1, 0)),
+            (&[3, 2, 2], &[2, 2, 2], 2, 2, (0, 0)),
+            (&[1, 5, 1], &[1, 3, 1], 1, 2, (0, 3)),
+        ];
+        for (i, (ishape, kshape, stride, dilation, (lo, hi))) in cases.into_iter().enumerate() {
+            let (input, kernel) = (values(ishape, i as i32), values(kshape, 3));
+            let mlx = ConvSpec {
+                strides: &[stride],
+                pad_lo: &[lo],
+                pad_hi: &[hi],
+                kernel_dilation: &[1],
+                input_dilation: &[dilation],
+                groups: 1,
+            };
+            let expected = read(&ops::conv_general(&input, &kernel, &mlx).unwrap());
+            // Channels last here: the helpers take [N, C, spatial...].
+            let first = ops::transpose(&input, &[0, 2, 1]).unwrap();
+            let dilated = dilate(&first, 2, dilation).unwrap();
+            let (padded, none) = pad_explicitly(&dilated, &[(lo, hi)]).unwrap();
+            assert_eq!(none, vec![(0, 0)]);
+            let last = ops::transpose(&padded, &[0, 2, 1]).unwrap();
+            let plain = ConvSpec {
+                pad_lo: &[0],
+                pad_hi: &[0],
+                input_dilation: &[1],
+                ..mlx
+            };
+            assert_eq!(
+                read(&ops::conv_general(&last, &kernel, &plain).unwrap()),
+                expected,
+                "case {i}"
+            );
+        }
+    }
 }

@@ -62,37 +62,39 @@ defmodule Moat.ConfigTest do
   # The worker's mappings of its buffer files (port/shim/alloc.cpp).
   defp buffer_files_mapped?(worker), do: File.read!("/proc/#{os_pid(worker)}/maps") =~ "memfd:moat-buffer"
 
-  # A computed 4 MiB result (a buffer of MLX's own) and its readback.
+  # A computed 8 MiB result (a buffer of MLX's own), its readback, and
+  # whether the worker mapped a buffer file while it held the result (once
+  # the handle is dropped, a collection may free it at any time).
   defp computed_readback(worker) do
     data = :crypto.strong_rand_bytes(4 * @mib)
     x = Nx.from_binary(data, :u8, backend: {Moat.Backend, worker: worker})
     y = Nx.concatenate([x, x])
     %Nx.Tensor{data: %Moat.Backend{ref: ref}} = y
     :ok = Moat.eval(ref)
-    {data <> data, read_back(ref)}
+    mapped? = buffer_files_mapped?(worker)
+    {data <> data, read_back(ref), mapped?}
   end
 
   # A GPU worker's buffers are CUDA memory: the option changes nothing there.
   @tag :cpu_only
   test "buffer_files: false keeps MLX's buffers out of memory files; large readbacks stay right" do
     off = start_worker(:buffer_files_off, buffer_files: false)
-    {expected, {transfer, got}} = computed_readback(off)
+    {expected, {transfer, got}, mapped?} = computed_readback(off)
     assert got == expected
     assert transfer == :shared_memory, "still read from the worker's memory, by a copy"
-    refute buffer_files_mapped?(off)
+    refute mapped?
 
     # Many results, freed and made again, read back right.
     for _ <- 1..5 do
-      {expected, {_, got}} = computed_readback(off)
+      {expected, {_, got}, mapped?} = computed_readback(off)
       assert got == expected
+      refute mapped?
     end
 
-    refute buffer_files_mapped?(off)
-
     on = start_worker(:buffer_files_on, buffer_files: true)
-    {expected, {:shared_memory, got}} = computed_readback(on)
+    {expected, {:shared_memory, got}, mapped?} = computed_readback(on)
     assert got == expected
-    assert buffer_files_mapped?(on)
+    assert mapped?
   end
 
   # As above: CPU workers only.
@@ -102,9 +104,9 @@ defmodule Moat.ConfigTest do
 
     try do
       start_worker(:buffer_files_by_config)
-      {expected, {_, got}} = computed_readback(:buffer_files_by_config)
+      {expected, {_, got}, mapped?} = computed_readback(:buffer_files_by_config)
       assert got == expected
-      refute buffer_files_mapped?(:buffer_files_by_config)
+      refute mapped?
     after
       Application.delete_env(:moat, :buffer_files)
     end
@@ -114,14 +116,14 @@ defmodule Moat.ConfigTest do
 
     try do
       start_worker(:buffer_files_by_env)
-      {expected, {_, got}} = computed_readback(:buffer_files_by_env)
+      {expected, {_, got}, mapped?} = computed_readback(:buffer_files_by_env)
       assert got == expected
-      refute buffer_files_mapped?(:buffer_files_by_env)
+      refute mapped?
       # The option overrides the environment.
       start_worker(:buffer_files_over_env, buffer_files: true)
-      {expected, {_, got}} = computed_readback(:buffer_files_over_env)
+      {expected, {_, got}, mapped?} = computed_readback(:buffer_files_over_env)
       assert got == expected
-      assert buffer_files_mapped?(:buffer_files_over_env)
+      assert mapped?
     after
       if saved, do: System.put_env("MOAT_BUFFER_FILES", saved), else: System.delete_env("MOAT_BUFFER_FILES")
     end

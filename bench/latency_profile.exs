@@ -361,15 +361,6 @@ defmodule Profile do
     repeat(n - 1, f)
   end
 
-  # The CPU ns of every thread of an OS process (schedstat's first field).
-  defp cpu_ns(os_pid) do
-    for tid <- File.ls!("/proc/#{os_pid}/task"), reduce: 0 do
-      acc ->
-        [run | _] = String.split(File.read!("/proc/#{os_pid}/task/#{tid}/schedstat"))
-        acc + String.to_integer(run)
-    end
-  end
-
   ## eprof
 
   defp eprof do

@@ -29,6 +29,22 @@ defmodule Bench do
   end
 
   def ratio(a, b), do: "#{fmt(a / b)}×"
+
+  # CPU time of all the threads of OS process `pid` (ns, /proc/PID/task/*/schedstat).
+  def cpu_ns(pid) do
+    case File.ls("/proc/#{pid}/task") do
+      {:ok, tids} ->
+        Enum.reduce(tids, 0, fn tid, acc ->
+          case File.read("/proc/#{pid}/task/#{tid}/schedstat") do
+            {:ok, line} -> acc + (line |> String.split() |> hd() |> String.to_integer())
+            {:error, _} -> acc
+          end
+        end)
+
+      {:error, _} ->
+        0
+    end
+  end
 end
 
 # The compiler issue's 2-layer MLP (32×784→256→10, relu, softmax), for
@@ -128,7 +144,8 @@ defmodule Bench.Transfers do
   def settle(worker) do
     :erlang.garbage_collect()
     _ = Moat.memory_info(worker)
-    await_idle(Moat.Worker.info(worker).os_pid, cpu_ns(Moat.Worker.info(worker).os_pid), now_ms(), now_ms())
+    pid = Moat.Worker.info(worker).os_pid
+    await_idle(pid, Bench.cpu_ns(pid), now_ms(), now_ms())
   end
 
   @quiet_ms 5
@@ -137,7 +154,7 @@ defmodule Bench.Transfers do
   defp await_idle(pid, cpu, quiet_since, started) do
     Process.sleep(1)
     now = now_ms()
-    cpu_now = cpu_ns(pid)
+    cpu_now = Bench.cpu_ns(pid)
 
     cond do
       now - started > @settle_max_ms -> :timeout
@@ -148,22 +165,6 @@ defmodule Bench.Transfers do
   end
 
   defp now_ms, do: System.monotonic_time(:millisecond)
-
-  # CPU time of all the threads of OS process `pid` (ns, /proc/PID/task/*/schedstat).
-  defp cpu_ns(pid) do
-    case File.ls("/proc/#{pid}/task") do
-      {:ok, tids} ->
-        Enum.reduce(tids, 0, fn tid, acc ->
-          case File.read("/proc/#{pid}/task/#{tid}/schedstat") do
-            {:ok, line} -> acc + (line |> String.split() |> hd() |> String.to_integer())
-            {:error, _} -> acc
-          end
-        end)
-
-      {:error, _} ->
-        0
-    end
-  end
 
   # The table of `measure/2`'s results, a row per worker (the one README carries).
   def table(workers, gbps) do

@@ -187,21 +187,12 @@ fn crop_negative_padding(
     Ok((cropped, vec![1; dilation.len()], padding))
 }
 
-/// The input `[N, C, spatial...]` with its (non-negative) padding applied
-/// as zeros, and no padding left for the convolution.
+/// The input `[N, C, spatial...]` with its spatial padding applied as
+/// zeros, and no padding left for the convolution.
 fn pad_explicitly(input: &Array, padding: &[(i32, i32)]) -> Result<(Array, Padding)> {
-    let none = vec![(0, 0); padding.len()];
-    if padding.iter().all(|&p| p == (0, 0)) {
-        return Ok((input.share()?, none));
-    }
-    let rank = input.shape().len();
-    let (mut lo, mut hi) = (vec![0; rank], vec![0; rank]);
-    for (i, &(l, h)) in padding.iter().enumerate() {
-        lo[i + 2] = l;
-        hi[i + 2] = h;
-    }
+    let all: Padding = [(0, 0), (0, 0)].into_iter().chain(padding.iter().copied()).collect();
     let zero = ops::astype(&Array::scalar(0i32)?, input.dtype())?;
-    Ok((ops::pad(input, &lo, &hi, &zero)?, none))
+    Ok((pad_or_crop(input, &all, &zero)?, vec![(0, 0); padding.len()]))
 }
 
 /// `d - 1` zeros between neighbours along `axis`.
